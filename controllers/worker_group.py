@@ -1,0 +1,153 @@
+"""Resource pools and worker groups: N Ray actors of one role, wired with torch.distributed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tensordict import TensorDict
+
+
+class WorkerError(RuntimeError):
+    """A remote call failed; the message names the role, rank and call."""
+
+
+@dataclass
+class ResourcePool:
+    """A placement group of `num_bundles` bundles; colocated roles put rank i on bundle i."""
+
+    num_bundles: int
+    cpus_per_bundle: float
+    gpus_per_bundle: int = 0
+    name: str = "pool"
+    timeout_s: float = 120.0
+
+    def __post_init__(self):
+        bundle = {"CPU": self.cpus_per_bundle}
+        if self.gpus_per_bundle:
+            bundle["GPU"] = self.gpus_per_bundle
+        self.pg = placement_group([dict(bundle) for _ in range(self.num_bundles)], strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.timeout_s)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise WorkerError(
+                f"resource pool {self.name!r}: {self.num_bundles} bundles of {bundle} could not be reserved "
+                f"within {self.timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
+            )
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)
+
+
+def get_with_timeout(futures: list, what: list[str], timeout_s: float) -> list:
+    """ray.get for several futures; an error or a timeout names which call on which rank."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(futures)
+    ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    results = []
+    for future, label in zip(futures, what):
+        if future in not_ready:
+            # a failed rank often leaves the others blocked in a collective: report the failure
+            failed = [lbl for f, lbl in zip(futures, what) if f in ready and _failed(f)]
+            if failed:
+                try:
+                    ray.get(next(f for f, lbl in zip(futures, what) if lbl == failed[0]))
+                except Exception as err:  # noqa: BLE001 - re-raised with the rank named
+                    raise _worker_error(failed[0], err) from err
+            raise WorkerError(
+                f"{label} did not return within trainer.remote_timeout_s={timeout_s:.0f} s "
+                f"(waited {timeout_s - max(0.0, deadline - time.monotonic()):.0f} s)"
+            )
+        try:
+            results.append(ray.get(future))
+        except Exception as err:  # noqa: BLE001 - re-raised with the rank named
+            raise _worker_error(label, err) from err
+    return results
+
+
+def _failed(future) -> bool:
+    try:
+        ray.get(future, timeout=0)
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _worker_error(label: str, err: Exception) -> WorkerError:
+    if isinstance(err, ray.exceptions.RayActorError):
+        return WorkerError(f"{label}: the worker process died ({type(err).__name__}): {err}")
+    cause = getattr(err, "cause", None) or err
+    return WorkerError(f"{label} raised {type(cause).__name__}: {cause}")
+
+
+class RayWorkerGroup:
+    """`world_size` Ray actors of `worker_cls`, one per rank, in one torch.distributed group."""
+
+    def __init__(self, worker_cls, role: str, world_size: int, cfg, pool: ResourcePool,
+                 num_cpus: float, num_gpus: float = 0.0, env: dict | None = None):
+        self.role = role
+        self.world_size = world_size
+        self.timeout_s = cfg.trainer.remote_timeout_s
+        if world_size > pool.num_bundles:
+            raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
+        remote_cls = ray.remote(worker_cls)
+        self.workers = []
+        for rank in range(world_size):
+            options = dict(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pool.pg, placement_group_bundle_index=rank
+                ),
+                max_restarts=0,
+            )
+            if env:
+                options["runtime_env"] = {"env_vars": dict(env)}
+            self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size))
+        # the group picks rank 0's address and a free port on its host
+        master_addr, master_port = self._get([self.workers[0].node_address.remote()], "node_address", ranks=[0])[0]
+        self.call_all("init_distributed", master_addr, master_port)
+
+    def _labels(self, method: str, ranks) -> list[str]:
+        return [f"{self.role} rank {r}: {method}" for r in ranks]
+
+    def _get(self, futures: list, method: str, ranks=None) -> list:
+        ranks = list(range(len(futures))) if ranks is None else ranks
+        return get_with_timeout(futures, self._labels(method, ranks), self.timeout_s)
+
+    def call_all_async(self, method: str, *args, **kwargs) -> list:
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        return self._get(self.call_all_async(method, *args, **kwargs), method)
+
+    def call_per_rank_async(self, method: str, per_rank_args: list[tuple]) -> list:
+        return [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)]
+
+    def gather(self, futures: list, method: str) -> list:
+        return self._get(futures, method)
+
+    # -- dp dispatch: split rows over ranks, concat results in order -------------------------------
+    def dispatch_dp_async(self, method: str, td: TensorDict, *args) -> list:
+        chunks = td.chunk(self.world_size, dim=0) if self.world_size > 1 else [td]
+        if len(chunks) != self.world_size:
+            raise WorkerError(f"{self.role}.{method}: {td.batch_size[0]} rows cannot be split over {self.world_size} ranks")
+        return [getattr(w, method).remote(chunk, *args) for w, chunk in zip(self.workers, chunks)]
+
+    def collect_dp(self, futures: list, method: str) -> TensorDict:
+        return torch.cat(self._get(futures, method), dim=0)
+
+    def dispatch_dp(self, method: str, td: TensorDict, *args) -> TensorDict:
+        return self.collect_dp(self.dispatch_dp_async(method, td, *args), method)
+
+    def kill(self) -> None:
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass

@@ -1,0 +1,18 @@
+"""rlflow: actor/critic RL for language models on Ray, exact however a mini-batch is split.
+
+`from rlflow import RLFlow, load_config; RLFlow(load_config(None, ["trainer.total_steps=5"])).fit()`
+RLFlow is imported lazily so that the core (config, protocol, algos) never imports Ray or the driver.
+"""
+
+from rlflow.config import load_config
+
+__all__ = ["RLFlow", "load_config"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "RLFlow":
+        from controllers.ppo import RLFlow
+
+        return RLFlow
+    raise AttributeError(f"module 'rlflow' has no attribute {name!r}")

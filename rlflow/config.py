@@ -1,0 +1,417 @@
+"""The config schema, loading (yaml + dotlist overrides) and validation.
+
+Everything a run needs is here as dataclasses; `load_config` merges a yaml recipe and command-line
+overrides over the defaults, rejects unknown keys (suggesting the closest valid one), checks the
+batch algebra, and fills the inherited values (critic from actor, loss_scale_factor from
+data.max_response_length) — all before Ray starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf  # noqa: F401
+from omegaconf.errors import OmegaConfBaseException
+
+from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES  # torch-only
+
+ROLLOUT_NAMES = ("hf", "vllm", "auto")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+STRATEGIES = ("fsdp2", "ddp")
+NAN_POLICIES = ("abort", "skip")
+
+
+class ConfigError(ValueError):
+    """A config a run cannot start with; the message names the key and how to fix it."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | cosine
+
+
+@dataclass
+class ModelConfig:
+    # "tiny": the embedded tiny Qwen2 model, built and warm-started locally (rlflow.tiny)
+    path: str = "tiny"
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    # used when train_files is empty: the embedded synthetic task
+    synthetic_task: str = "addition"
+    synthetic_train_size: int = 4096
+    synthetic_val_size: int = 128
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 16
+    max_response_length: int = 8
+    train_batch_size: int = 32  # prompts per step
+    val_batch_size: int = 128
+    apply_chat_template: str = "auto"
+    filter_overlong_prompts: bool = True
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: str = "fsdp2"
+    dp_size: int = 1
+    # sizes count sequences (responses), after rollout.n
+    ppo_mini_batch_size: int = 64
+    ppo_micro_batch_size_per_gpu: int = 16
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 1024
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    # divisor of seq-mean-token-sum-norm; None -> data.max_response_length (a constant, never
+    # the padded width of a micro-batch)
+    loss_scale_factor: float | None = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    log_prob_micro_batch_size_per_gpu: int = 64
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None  # None: on for adv_estimator=gae only
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" -> actor's
+    strategy: str = "fsdp2"
+    dp_size: int | None = None  # None -> actor's
+    ppo_mini_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool | None = None
+    ppo_max_token_len_per_gpu: int | None = None
+    ppo_epochs: int | None = None
+    shuffle: bool | None = None
+    cliprange_value: float = 0.5
+    loss_agg_mode: str | None = None
+    # None -> the actor's value (verl #6957: the critic must normalise like the actor)
+    loss_scale_factor: float | None = None
+    grad_clip: float = 1.0
+    forward_micro_batch_size_per_gpu: int = 64
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+
+
+@dataclass
+class ReferenceConfig:
+    enable: bool | None = None  # None: on when a KL term is used
+    log_prob_micro_batch_size_per_gpu: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "auto"  # hf | vllm | auto (vllm when importable)
+    dp_size: int = 1
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    val_do_sample: bool = False
+    val_temperature: float = 1.0
+    calculate_log_probs: bool = False
+    micro_batch_size: int = 256  # prompts per HF generate call
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.1
+    enforce_eager: bool = True
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = None
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardConfig:
+    custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    on_error: str = "raise"  # raise | zero
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: RAY_ADDRESS, an initialised Ray, or a new local one
+    num_cpus: int | None = None
+    include_dashboard: bool = False
+    dashboard_host: str = "127.0.0.1"  # loopback unless configured otherwise
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    test_freq: int = 5
+    val_before_train: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "rlflow"
+    experiment_name: str = "default"
+    default_local_dir: str = "outputs"
+    save_freq: int = -1
+    resume_mode: str = "auto"  # auto | disable | a checkpoint path
+    max_to_keep: int = 2
+    seed: int = 0
+    deterministic: bool = False
+    replay_rollouts: str | None = None  # a recorded rollout file to train on instead of generating
+    record_rollouts: str | None = None  # write each step's rollout batch here
+    remote_timeout_s: float = 600.0
+    nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
+    colocate: bool = True  # all roles share one placement group of bundles
+    cpus_per_worker: float = 0.5
+
+
+@dataclass
+class RLFlowConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unknown keys, with the closest valid key suggested
+# ---------------------------------------------------------------------------------------------
+
+
+def _schema_children(schema: Any) -> dict[str, Any]:
+    return {f.name: getattr(schema, f.name) for f in fields(schema)}
+
+
+def _all_paths(schema: Any, prefix: str = "") -> list[str]:
+    paths = []
+    for name, value in _schema_children(schema).items():
+        path = f"{prefix}{name}"
+        paths.append(path)
+        if is_dataclass(value):
+            paths.extend(_all_paths(value, path + "."))
+    return paths
+
+
+def _suggest(bad_path: str, siblings: list[str], schema_root: Any) -> str:
+    leaf = bad_path.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        parent = bad_path.rsplit(".", 1)[0] + "." if "." in bad_path else ""
+        return f"did you mean '{parent}{close[0]}'?"
+    full = difflib.get_close_matches(bad_path, _all_paths(schema_root), n=1, cutoff=0.5)
+    same_leaf = [p for p in _all_paths(schema_root) if p.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return f"did you mean '{same_leaf[0]}'?"
+    if full:
+        return f"did you mean '{full[0]}'?"
+    return f"valid keys here: {', '.join(sorted(siblings))}"
+
+
+def check_unknown_keys(user: Any, source: str, schema: Any = None, prefix: str = "", root: Any = None) -> None:
+    schema = schema if schema is not None else RLFlowConfig()
+    root = root if root is not None else schema
+    if not isinstance(user, dict):
+        return
+    children = _schema_children(schema)
+    for key, value in user.items():
+        path = f"{prefix}{key}"
+        if key not in children:
+            raise ConfigError(f"unknown config key '{path}' (from {source}); {_suggest(path, list(children), root)}")
+        if is_dataclass(children[key]):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"config key '{path}' (from {source}) is a section; got the value {value!r}")
+            check_unknown_keys(value, source, children[key], path + ".", root)
+
+
+def _dotlist_to_dict(overrides: list[str]) -> list[tuple[str, dict]]:
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. actor.optim.lr=1e-5)")
+        key = item.split("=", 1)[0].lstrip("+")
+        as_dict = OmegaConf.to_container(OmegaConf.from_dotlist([item.lstrip("+")]))
+        parsed.append((key, as_dict))
+    return parsed
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Defaults <- yaml file <- dotlist overrides, validated and resolved."""
+    merged = OmegaConf.structured(RLFlowConfig)
+    layers: list[tuple[str, Any]] = []
+    if path is not None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as err:  # yaml syntax errors
+            raise ConfigError(f"cannot parse config file {path}: {err}") from err
+        file_dict = OmegaConf.to_container(file_cfg) or {}
+        if not isinstance(file_dict, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at top level")
+        check_unknown_keys(file_dict, path)
+        layers.append((path, file_cfg))
+    for key, as_dict in _dotlist_to_dict(list(overrides or [])):
+        check_unknown_keys(as_dict, f"override '{key}'")
+        layers.append((f"override '{key}'", OmegaConf.create(as_dict)))
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "?"
+            reason = str(getattr(err, "msg", err)).splitlines()[0]
+            raise ConfigError(f"bad value for config key '{key}' (from {source}): {reason}") from err
+    return resolve_config(merged)
+
+
+def to_dataclass(cfg: DictConfig | RLFlowConfig | dict) -> RLFlowConfig:
+    if isinstance(cfg, RLFlowConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.merge(OmegaConf.structured(RLFlowConfig), cfg)
+    elif OmegaConf.get_type(cfg) is not RLFlowConfig:
+        cfg = OmegaConf.merge(OmegaConf.structured(RLFlowConfig), cfg)
+    return OmegaConf.to_object(cfg)
+
+
+def resolve_config(cfg: DictConfig) -> DictConfig:
+    """Fill inherited values, then validate. Returns a new DictConfig."""
+    cfg = cfg.copy()
+    actor, critic, data = cfg.actor, cfg.critic, cfg.data
+    if actor.loss_scale_factor is None:
+        actor.loss_scale_factor = float(data.max_response_length)
+    for name in ("dp_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+                 "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "loss_agg_mode", "loss_scale_factor"):
+        if critic[name] is None:
+            critic[name] = actor[name]
+    if not critic.model.path:
+        critic.model.path = actor.model.path
+    if critic.enable is None:
+        critic.enable = cfg.algorithm.adv_estimator == "gae"
+    if cfg.reference.enable is None:
+        cfg.reference.enable = bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    validate_config(cfg)
+    return cfg
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int, cfg: DictConfig) -> None:
+    mini, dp = section.ppo_mini_batch_size, section.dp_size
+    _need(dp >= 1, f"{role}.dp_size must be >= 1, got {dp}")
+    _need(mini >= 1, f"{role}.ppo_mini_batch_size must be >= 1, got {mini}")
+    _need(sequences_per_step % mini == 0,
+          f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size * rollout.n = "
+          f"{cfg.data.train_batch_size} * {cfg.rollout.n} = {sequences_per_step} (sizes count responses)")
+    _need(mini % dp == 0, f"{role}.ppo_mini_batch_size={mini} must be divisible by {role}.dp_size={dp}")
+    if section.use_dynamic_bsz:
+        _need(section.ppo_max_token_len_per_gpu >= 1,
+              f"{role}.ppo_max_token_len_per_gpu must be >= 1, got {section.ppo_max_token_len_per_gpu}")
+    else:
+        micro, per_rank = section.ppo_micro_batch_size_per_gpu, mini // dp
+        _need(micro >= 1, f"{role}.ppo_micro_batch_size_per_gpu must be >= 1, got {micro}")
+        _need(per_rank % micro == 0,
+              f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
+              f"{role}.ppo_mini_batch_size / {role}.dp_size = {mini} / {dp} = {per_rank}")
+    _need(section.loss_agg_mode in LOSS_AGG_MODES,
+          f"{role}.loss_agg_mode={section.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
+    _need(section.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
+    _need(section.strategy in STRATEGIES, f"{role}.strategy={section.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    _need(section.loss_scale_factor is None or section.loss_scale_factor > 0,
+          f"{role}.loss_scale_factor must be > 0, got {section.loss_scale_factor}")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    data, rollout, algo, trainer = cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
+    _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
+    _need(rollout.n >= 1, f"rollout.n must be >= 1, got {rollout.n}")
+    _need(data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
+    _need(data.max_response_length >= 1, "data.max_response_length must be >= 1")
+    sequences_per_step = data.train_batch_size * rollout.n
+    _check_batch_algebra("actor", cfg.actor, sequences_per_step, cfg)
+    if cfg.critic.enable:
+        _check_batch_algebra("critic", cfg.critic, sequences_per_step, cfg)
+    _need(algo.adv_estimator in ADV_ESTIMATORS,
+          f"algorithm.adv_estimator={algo.adv_estimator!r} is not one of {', '.join(sorted(ADV_ESTIMATORS))}")
+    if algo.adv_estimator == "gae":
+        _need(bool(cfg.critic.enable), "algorithm.adv_estimator=gae needs a critic: set critic.enable=true (or leave it unset)")
+    if algo.adv_estimator in ("grpo", "rloo"):
+        _need(rollout.n >= 2, f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group: "
+                              f"rollout.n must be >= 2, got {rollout.n}")
+    _need(cfg.actor.policy_loss in POLICY_LOSSES,
+          f"actor.policy_loss={cfg.actor.policy_loss!r} is not one of {', '.join(sorted(POLICY_LOSSES))}")
+    _need(cfg.actor.kl_loss_type in KL_PENALTY_MODES,
+          f"actor.kl_loss_type={cfg.actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
+    _need(algo.kl_penalty in KL_PENALTY_MODES,
+          f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
+    _need(algo.kl_ctrl.type in ("fixed", "adaptive"),
+          f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is not one of fixed, adaptive")
+    _need(rollout.name in ROLLOUT_NAMES, f"rollout.name={rollout.name!r} is not one of {', '.join(ROLLOUT_NAMES)}")
+    _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
+    _need(data.train_batch_size % rollout.dp_size == 0,
+          f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
+    _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _need(rollout.temperature > 0, f"rollout.temperature must be > 0, got {rollout.temperature}")
+    for name in trainer.logger:
+        _need(name in LOGGERS, f"trainer.logger: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
+    _need(cfg.reward.on_error in ("raise", "zero"), f"reward.on_error={cfg.reward.on_error!r} is not one of raise, zero")
+    _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
+    _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
+    _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")
+    _need(trainer.max_to_keep >= 1, f"trainer.max_to_keep must be >= 1, got {trainer.max_to_keep}")
+    if trainer.resume_mode not in ("auto", "disable"):
+        _need(os.path.isdir(trainer.resume_mode),
+              f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")
+    for opt_role in ("actor", "critic"):
+        sched = cfg[opt_role].optim.lr_scheduler
+        _need(sched in ("constant", "cosine"), f"{opt_role}.optim.lr_scheduler={sched!r} is not one of constant, cosine")
+    if trainer.replay_rollouts is not None:
+        _need(os.path.isfile(trainer.replay_rollouts), f"trainer.replay_rollouts: file not found: {trainer.replay_rollouts}")

@@ -1,0 +1,221 @@
+"""The batch that flows between the driver and the workers.
+
+A batch is a `tensordict.TensorDict` (keys in docs/CONVENTIONS.md). The global normalisation
+metadata of a mini-batch travels with each dp shard as one typed `BatchMeta` object stored as
+non-tensor data: the driver computes it once from the whole mini-batch, the workers only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+META_KEY = "batch_meta"
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """What every micro-batch loss needs to be a slice of the whole mini-batch's loss."""
+
+    dp_size: int  # data-parallel ranks receiving shards of this mini-batch
+    batch_num_tokens: int  # valid response tokens in the whole mini-batch
+    global_batch_size: int  # sequences with >= 1 valid response token in the whole mini-batch
+    loss_scale_factor: float | None  # constant divisor of seq-mean-token-sum-norm
+
+    def loss_kwargs(self) -> dict:
+        """The four global keyword arguments every rlflow.algos loss takes."""
+        return {
+            "dp_size": self.dp_size,
+            "batch_num_tokens": self.batch_num_tokens,
+            "global_batch_size": self.global_batch_size,
+            "loss_scale_factor": self.loss_scale_factor,
+        }
+
+
+def attach_meta(td: TensorDict, meta: BatchMeta) -> TensorDict:
+    td.set_non_tensor(META_KEY, meta)
+    return td
+
+
+def get_meta(td: TensorDict) -> BatchMeta | None:
+    if META_KEY not in td.keys():
+        return None
+    meta = td.get_non_tensor(META_KEY)
+    if not isinstance(meta, BatchMeta):
+        raise TypeError(f"{META_KEY!r} in the batch is a {type(meta).__name__}, expected BatchMeta")
+    return meta
+
+
+def compute_batch_meta(
+    minibatch: TensorDict,
+    dp_size: int,
+    loss_scale_factor: float | None,
+    mask_key: str = "response_mask",
+) -> BatchMeta:
+    """Driver side: the metadata of one whole mini-batch, before it is split."""
+    mask = minibatch[mask_key]
+    valid_per_row = (mask > 0).sum(dim=-1)
+    return BatchMeta(
+        dp_size=int(dp_size),
+        batch_num_tokens=int(valid_per_row.sum().item()),
+        global_batch_size=int((valid_per_row > 0).sum().item()),
+        loss_scale_factor=None if loss_scale_factor is None else float(loss_scale_factor),
+    )
+
+
+def row_token_counts(td: TensorDict) -> torch.Tensor:
+    """Tokens a row costs to run through a model: prompt + response when known."""
+    key = "attention_mask" if "attention_mask" in td.keys() else "response_mask"
+    return (td[key] > 0).sum(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partitions. Each returns index tensors into the input rows; the parts are `td[idx]`.
+# ---------------------------------------------------------------------------------------------
+
+
+def balanced_equal_size_partition(weights: list[int], num_parts: int) -> list[list[int]]:
+    """Split rows into `num_parts` parts of equal row count with balanced total weight.
+
+    Greedy longest-first into the lightest part that still has room: every part has exactly
+    len(weights) / num_parts rows, so dp ranks run the same number of micro-batches.
+    """
+    if len(weights) % num_parts:
+        raise ValueError(f"{len(weights)} rows cannot be split into {num_parts} equal parts")
+    capacity = len(weights) // num_parts
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [0] * num_parts
+    for row in sorted(range(len(weights)), key=lambda r: (-weights[r], r)):
+        open_parts = [p for p in range(num_parts) if len(parts[p]) < capacity]
+        target = min(open_parts, key=lambda p: (loads[p], p))
+        parts[target].append(row)
+        loads[target] += weights[row]
+    return [sorted(p) for p in parts]
+
+
+def balanced_partition(weights: list[int], num_parts: int) -> list[list[int]]:
+    """Split rows into exactly `num_parts` non-empty parts with balanced total weight (LPT)."""
+    if not 1 <= num_parts <= len(weights):
+        raise ValueError(f"cannot split {len(weights)} rows into {num_parts} non-empty parts")
+    order = sorted(range(len(weights)), key=lambda r: (-weights[r], r))
+    parts: list[list[int]] = [[r] for r in order[:num_parts]]
+    loads = [weights[r] for r in order[:num_parts]]
+    for row in order[num_parts:]:
+        target = min(range(num_parts), key=lambda p: (loads[p], p))
+        parts[target].append(row)
+        loads[target] += weights[row]
+    return [sorted(p) for p in parts]
+
+
+def num_bins_for_token_budget(weights: list[int], max_token_len: int) -> int:
+    """How many micro-batches a token budget needs (first-fit decreasing).
+
+    A row longer than the budget gets a bin of its own: it is never dropped.
+    """
+    if max_token_len <= 0:
+        raise ValueError(f"max_token_len must be positive, got {max_token_len}")
+    bins: list[int] = []
+    for weight in sorted(weights, reverse=True):
+        for i, load in enumerate(bins):
+            if load + weight <= max_token_len:
+                bins[i] += weight
+                break
+        else:
+            bins.append(weight)
+    return max(len(bins), 1)
+
+
+def split_dp(td: TensorDict, dp_size: int, balance_by_tokens: bool = False) -> tuple[list[TensorDict], list[torch.Tensor]]:
+    """Cut a mini-batch into `dp_size` shards of equal row count (balanced by tokens if asked)."""
+    n_rows = td.batch_size[0]
+    if n_rows % dp_size:
+        raise ValueError(f"a mini-batch of {n_rows} rows cannot be split over dp_size={dp_size} ranks")
+    if balance_by_tokens:
+        groups = balanced_equal_size_partition(row_token_counts(td).tolist(), dp_size)
+        indices = [torch.tensor(g, dtype=torch.long) for g in groups]
+    else:
+        indices = list(torch.arange(n_rows).chunk(dp_size))
+    return [td[idx] for idx in indices], indices
+
+
+def plan_micro_batches(
+    td: TensorDict,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    num_micro_batches: int | None = None,
+) -> list[torch.Tensor]:
+    """Row indices of each micro-batch of a shard.
+
+    Fixed size: consecutive chunks of `micro_batch_size`. Token budget (dynamic batch size): the
+    number of bins the budget needs, or `num_micro_batches` when the driver asks for more so that
+    all dp ranks run the same count; rows are balanced by token count across those bins.
+    """
+    n_rows = td.batch_size[0]
+    if max_token_len is None and num_micro_batches is None:
+        if not micro_batch_size or micro_batch_size <= 0:
+            raise ValueError("give micro_batch_size, or max_token_len for dynamic batch size")
+        return list(torch.arange(n_rows).split(micro_batch_size))
+    weights = row_token_counts(td).tolist()
+    count = num_bins_for_token_budget(weights, max_token_len) if max_token_len else 1
+    if num_micro_batches is not None:
+        count = max(count, num_micro_batches)
+    count = min(count, n_rows)
+    return [torch.tensor(g, dtype=torch.long) for g in balanced_partition(weights, count)]
+
+
+def split_micro_batches(td: TensorDict, **plan_kwargs) -> tuple[list[TensorDict], list[torch.Tensor]]:
+    indices = plan_micro_batches(td, **plan_kwargs)
+    return [td[idx] for idx in indices], indices
+
+
+def restore_order(parts: list[TensorDict], indices: list[torch.Tensor]) -> TensorDict:
+    """Inverse of a split: put every row back at its original position."""
+    merged = torch.cat(parts, dim=0)
+    order = torch.cat(indices)
+    if order.numel() != merged.batch_size[0] or torch.unique(order).numel() != order.numel():
+        raise ValueError("indices do not form a permutation of the rows")
+    return merged[torch.argsort(order)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = length if length is not None else max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+def right_pad(sequences: list[list[int]], pad_token_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        seq = seq[:length]
+        if seq:
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def response_mask_from_ids(responses: torch.Tensor, eos_token_id: int, pad_token_id: int | None = None) -> torch.Tensor:
+    """1 for generated tokens up to and including the first EOS; 0 after it."""
+    is_eos = responses == eos_token_id
+    # tokens strictly after the first EOS are padding
+    after_eos = (torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()) > 0
+    mask = ~after_eos
+    if pad_token_id is not None and pad_token_id != eos_token_id:
+        mask &= responses != pad_token_id
+    return mask.long()

@@ -1,0 +1,105 @@
+"""Rank setup shared by every worker: torch.distributed, seeding, threads, the model wrap."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+
+import torch
+import torch.distributed as dist
+
+from rlflow.config import RLFlowConfig
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional here
+        pass
+    if deterministic:
+        # cuBLAS needs this for deterministic matmuls; harmless on CPU
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+class WorkerBase:
+    """One rank of a role. Ray creates it, the group then calls `init_distributed`."""
+
+    role = "worker"
+
+    def __init__(self, cfg: RLFlowConfig, rank: int, world_size: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        threads = int(os.environ.get("RLFLOW_WORKER_THREADS", "0")) or (os.cpu_count() or 1)
+        torch.set_num_threads(threads)
+        seed_everything(cfg.trainer.seed + rank, cfg.trainer.deterministic)
+
+    # -- called by the group --------------------------------------------------------------------
+    def node_address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the process group: this host and a free port."""
+        return "127.0.0.1" if self.device.type == "cpu" else socket.gethostbyname(socket.gethostname()), free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        if self.world_size == 1:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.cfg.trainer.remote_timeout_s),
+        )
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def wrap_for_training(self, model: torch.nn.Module, strategy: str) -> torch.nn.Module:
+        """FSDP2 (fully_shard per decoder layer, then the root) or DDP when dp > 1."""
+        model.to(self.device)
+        if not self.distributed:
+            return model
+        if strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model)
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module)
+        fully_shard(model)
+        return model
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights on CPU (on rank 0; a collective under FSDP2)."""
+        module = model.module if hasattr(model, "module") and not hasattr(model, "config") else model
+        if self.distributed and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return state if self.rank == 0 else {}
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}

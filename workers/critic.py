@@ -1,0 +1,73 @@
+"""The value model: the actor's architecture with a scalar head (AutoModelForTokenClassification)."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.algos import compute_value_loss, masked_mean
+from rlflow.metrics import Metric, loss_metric, token_mean_metric
+from rlflow.protocol import plan_micro_batches
+from workers.actor import _DTYPES
+from workers.forward import response_values
+from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
+
+
+def load_value_model(path: str, dtype: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path)
+    config.num_labels = 1
+    # a value head must be deterministic: no dropout on the head
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[dtype])
+
+
+class CriticWorker(TrainableWorker):
+    role = "critic"
+    section = "critic"
+
+    def init_model(self, model_path: str, total_steps: int) -> int:
+        critic = self.cfg.critic
+        model = load_value_model(model_path, critic.model.dtype)
+        if critic.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = self.wrap_for_training(model, critic.strategy)
+        self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
+        self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
+        # what the last update saw, so tests can check the driver's metadata arrived intact
+        self.last_seen_meta = []
+        return sum(p.numel() for p in model.parameters())
+
+    def compute_values(self, td: TensorDict) -> TensorDict:
+        self.model.eval()
+        td = td.to(self.device)
+        outputs = []
+        with torch.no_grad():
+            for idx in plan_micro_batches(td, micro_batch_size=self.cfg.critic.forward_micro_batch_size_per_gpu):
+                outputs.append(response_values(self.model, td[idx]) * td[idx]["response_mask"])
+        return TensorDict({"values": torch.cat(outputs).cpu()}, batch_size=td.batch_size)
+
+    def update(self, shards: list[TensorDict]):
+        from rlflow.protocol import get_meta
+
+        self.last_seen_meta = [get_meta(shard) for shard in shards]
+        return super().update(shards)
+
+    def seen_meta(self):
+        return self.last_seen_meta
+
+    def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
+        critic = self.cfg.critic
+        has_meta = "batch_num_tokens" in loss_kwargs
+        mask = micro["response_mask"]
+        vpreds = response_values(self.model, micro)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds, micro["returns"], micro["values"], mask, critic.cliprange_value, critic.loss_agg_mode, **loss_kwargs
+        )
+        metrics = {
+            "critic/vf_loss": loss_metric(vf_loss.item(), loss_kwargs["dp_size"], has_meta),
+            "critic/vf_clipfrac": token_mean_metric(float(vf_clipfrac), num_tokens),
+            "critic/vpred_mean": token_mean_metric(masked_mean(vpreds.detach(), mask).item(), num_tokens),
+        }
+        return vf_loss, metrics

@@ -1,0 +1,160 @@
+"""The update loop shared by the actor and the critic.
+
+One call of `update` receives this rank's shards of every mini-batch of a step, in order, each
+carrying the BatchMeta the driver computed for the whole mini-batch. Per mini-batch: cut into
+micro-batches, backward each (gradients accumulate), clip the norm of the whole accumulated
+gradient, one optimizer step. The worker never all-reduces to find batch sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.metrics import Aggregation, Metric
+from rlflow.protocol import BatchMeta, get_meta, split_micro_batches
+from workers.base import WorkerBase
+
+MICRO_PLAN_KEY = "num_micro_batches"
+
+# Test-only: drop the global metadata so every micro-batch normalises by itself (the bug this
+# project prevents). Read from the environment so it can never come from a user config.
+_LOCAL_NORM_ENV = "RLFLOW_TEST_LOCAL_NORMALISATION"
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay
+    )
+
+
+def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = max(0, optim_cfg.warmup_steps)
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if optim_cfg.lr_scheduler == "cosine" and total_steps > warmup:
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class TrainableWorker(WorkerBase):
+    """Subclasses set self.model / self.optimizer / self.scheduler and implement micro_loss."""
+
+    section: str  # "actor" or "critic"
+
+    def section_cfg(self):
+        return getattr(self.cfg, self.section)
+
+    def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
+        raise NotImplementedError
+
+    def _loss_kwargs(self, meta: BatchMeta | None) -> tuple[dict, bool]:
+        if meta is None or os.environ.get(_LOCAL_NORM_ENV) == "1":
+            return {"dp_size": 1, "loss_scale_factor": self.section_cfg().loss_scale_factor}, False
+        if meta.dp_size != self.world_size:
+            raise ValueError(f"{self.role} rank {self.rank}: BatchMeta.dp_size={meta.dp_size} but this group has {self.world_size} ranks")
+        return meta.loss_kwargs(), True
+
+    def _plan_kwargs(self, shard: TensorDict) -> dict:
+        section = self.section_cfg()
+        if section.use_dynamic_bsz:
+            plan = {"max_token_len": section.ppo_max_token_len_per_gpu}
+            if MICRO_PLAN_KEY in shard.keys():
+                plan["num_micro_batches"] = int(shard.get_non_tensor(MICRO_PLAN_KEY))
+            return plan
+        return {"micro_batch_size": section.ppo_micro_batch_size_per_gpu}
+
+    def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
+        """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
+        self.model.train()
+        section = self.section_cfg()
+        per_minibatch = []
+        for shard in shards:
+            shard = shard.to(self.device)
+            loss_kwargs, has_meta = self._loss_kwargs(get_meta(shard))
+            micros, _ = split_micro_batches(shard, **self._plan_kwargs(shard))
+            records: list[dict[str, Metric]] = []
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in micros:
+                num_tokens = int(micro["response_mask"].sum().item())
+                loss, metrics = self.micro_loss(micro, loss_kwargs, num_tokens)
+                loss.backward()
+                records.append(metrics)
+            # the norm of the whole accumulated gradient (all micro-batches, all ranks)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), section.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
+            step_record = {
+                f"{self.section}/grad_norm": Metric(grad_norm, Aggregation.MAX),
+                f"{self.section}/lr": Metric(self.scheduler.get_last_lr()[0], Aggregation.MAX),
+                f"{self.section}/num_micro_batches": Metric(float(len(micros)), Aggregation.MAX),
+            }
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                step_record[f"{self.section}/skipped_minibatches"] = Metric(0.0, Aggregation.MAX)
+            elif self.cfg.trainer.nan_policy == "skip":
+                # grad_norm is global, so every rank skips the same mini-batch
+                self.optimizer.zero_grad(set_to_none=True)
+                step_record[f"{self.section}/skipped_minibatches"] = Metric(1.0, Aggregation.MAX)
+            else:
+                bad = {k: m.value for r in records for k, m in r.items() if not math.isfinite(m.value)}
+                raise NonFiniteError(
+                    f"{self.role} rank {self.rank}: non-finite gradient norm ({grad_norm}); non-finite metrics: "
+                    f"{bad or 'none'}. Set trainer.nan_policy=skip to skip such mini-batches instead."
+                )
+            records.append(step_record)
+            per_minibatch.append(records)
+        self.scheduler.step()
+        return per_minibatch
+
+    # -- checkpoint state -------------------------------------------------------------------------
+    def state_for_checkpoint(self) -> dict:
+        """Full (unsharded) model and optimizer state on rank 0."""
+        model_state = self.full_state_dict(self.model)
+        if self.distributed and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            optim_state = get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            optim_state = self.optimizer.state_dict()
+        if self.rank != 0:
+            return {}
+        return {
+            "model": model_state,
+            "optimizer": optim_state,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        if self.distributed and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+            set_model_state_dict(self.model, state["model"], options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        else:
+            module = self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else self.model
+            module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
