@@ -1,0 +1,50 @@
+"""Shared fixtures: one Ray instance per test session, one tiny model folder per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# keep the worker processes from fighting over the 2 cores of the CI machine
+os.environ.setdefault("RLFLOW_WORKER_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A randomly initialised tiny Qwen2 + tokenizer (no SFT): fast, and enough for plumbing."""
+    from rlflow.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+def tiny_overrides(model_dir: str, **extra) -> list[str]:
+    """Small, fast settings for end-to-end tests."""
+    base = {
+        "actor.model.path": model_dir,
+        "data.train_batch_size": 8,
+        "data.synthetic_train_size": 64,
+        "data.synthetic_val_size": 8,
+        "data.val_batch_size": 8,
+        "data.max_response_length": 6,
+        "rollout.n": 2,
+        "actor.ppo_mini_batch_size": 8,
+        "actor.ppo_micro_batch_size_per_gpu": 4,
+        "trainer.total_steps": 2,
+        "trainer.test_freq": 0,
+        "trainer.val_before_train": False,
+        "trainer.logger": "[jsonl]",
+        "trainer.remote_timeout_s": 120,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
