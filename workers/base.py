@@ -34,6 +34,18 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
 
 
+def _quiet_libraries() -> None:
+    """Load reports and progress bars from every rank drown the driver's own progress output."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    # we never modify model outputs in place, which is what this FSDP2 warning is about
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+
+
 class WorkerBase:
     """One rank of a role. Ray creates it, the group then calls `init_distributed`."""
 
@@ -47,6 +59,7 @@ class WorkerBase:
         threads = int(os.environ.get("RLFLOW_WORKER_THREADS", "0")) or (os.cpu_count() or 1)
         torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed + rank, cfg.trainer.deterministic)
+        _quiet_libraries()
 
     # -- called by the group --------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
