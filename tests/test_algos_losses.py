@@ -116,6 +116,14 @@ def test_micro_batch_without_valid_tokens_gives_zero_loss_with_grad(mode, with_m
     assert torch.equal(theta.grad, torch.zeros_like(theta))
 
 
+def test_token_counts_are_exact_for_low_precision_masks():
+    # 3000 ones summed in bf16 would stall at 256; counts are taken in integers.
+    mask = torch.ones(3, 1000, dtype=torch.bfloat16)
+    loss = torch.ones(3, 1000, dtype=torch.float32)
+    assert float(agg_loss(loss, mask, "token-mean")) == 1.0
+    assert float(agg_loss(loss, mask, "seq-mean-token-mean")) == 1.0
+
+
 def test_masked_helpers():
     assert float(masked_mean(LOSS, MASK)) == pytest.approx(2.0)
     torch.testing.assert_close(masked_mean(LOSS, MASK, axis=-1), torch.tensor([1.5, 3.0, 0.0], dtype=D))

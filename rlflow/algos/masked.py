@@ -24,8 +24,12 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None
 
 
 def masked_count(mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Number of valid positions (a float tensor, so it divides without casts)."""
-    valid = (mask != 0).to(torch.get_default_dtype() if not mask.is_floating_point() else mask.dtype)
+    """Number of valid positions, as an int64 tensor.
+
+    Counted in integers: a bf16/fp16 mask summed in its own dtype stops being exact at 256/2048.
+    Callers cast the count to the dtype of what they divide.
+    """
+    valid = (mask != 0).to(torch.int64)
     return valid.sum() if axis is None else valid.sum(dim=axis)
 
 
