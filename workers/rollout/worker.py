@@ -60,6 +60,12 @@ class RolloutWorker(WorkerBase):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(state_dict)
 
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The HF engine's current weights (to check a sync landed); vLLM keeps its own copy."""
+        if self.engine_name != "hf":
+            raise NotImplementedError("engine_state_dict is available for the hf engine only")
+        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}
+
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
