@@ -1,10 +1,8 @@
 """rlflow: actor/critic RL for language models on Ray, exact however a mini-batch is split.
 
 `from rlflow import RLFlow, load_config; RLFlow(load_config(None, ["trainer.total_steps=5"])).fit()`
-RLFlow is imported lazily so that the core (config, protocol, algos) never imports Ray or the driver.
+Both names are imported lazily, so `import rlflow.algos` stays torch-only (no omegaconf, no Ray).
 """
-
-from rlflow.config import load_config
 
 __all__ = ["RLFlow", "load_config"]
 __version__ = "0.1.0"
@@ -15,4 +13,8 @@ def __getattr__(name):
         from controllers.ppo import RLFlow
 
         return RLFlow
+    if name == "load_config":
+        from rlflow.config import load_config
+
+        return load_config
     raise AttributeError(f"module 'rlflow' has no attribute {name!r}")
