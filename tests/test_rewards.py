@@ -154,6 +154,9 @@ def test_score_batch_raising_fn():
     rm = RewardManager(_fn, on_error="zero")
     scores, _, errs = rm.score_batch(["a", "raise", "raise"], ["d"] * 3, ["a"] * 3, [None] * 3)
     assert scores == [1.0, 0.0, 0.0] and errs == 2
+    # a zeroed sample reports 0.0 for the extra metrics of the others
+    scores, extras, errs = rm.score_batch(["dict", "raise"], ["d"] * 2, ["a"] * 2, [None] * 2)
+    assert scores == [0.25, 0.0] and extras["acc"] == [1.0, 0.0] and errs == 1
 
 
 def test_score_batch_non_finite():

@@ -145,8 +145,9 @@ class RewardManager:
         ground_truths: Sequence,
         extra_infos: Sequence | None = None,
     ) -> tuple[list[float], dict[str, list[float]], int]:
-        """Returns (scores, extras, num_errors). ``extras[key]`` has one value per sample, NaN
-        where a sample did not report ``key`` (average with nanmean)."""
+        """Returns (scores, extras, num_errors). ``extras[key]`` has one value per sample: 0.0
+        for a sample zeroed after an error, NaN where a sample's result simply has no ``key``
+        (only possible when the function returns different keys for different samples)."""
         n = len(responses)
         if extra_infos is None:
             extra_infos = [None] * n
@@ -170,7 +171,7 @@ class RewardManager:
                     e,
                 )
                 scores.append(0.0)
-                per_sample_extras.append({})
+                per_sample_extras.append(None)  # zeroed: 0.0 for every extra key too
                 continue
             extras: dict[str, float] = {}
             if isinstance(result, Mapping):
@@ -203,7 +204,9 @@ class RewardManager:
             per_sample_extras.append(extras)
         keys: dict[str, None] = {}
         for e in per_sample_extras:
-            for k in e:
+            for k in e or ():
                 keys.setdefault(k, None)
-        extras_out = {k: [e.get(k, math.nan) for e in per_sample_extras] for k in keys}
+        extras_out = {
+            k: [0.0 if e is None else e.get(k, math.nan) for e in per_sample_extras] for k in keys
+        }
         return scores, extras_out, num_errors
