@@ -45,10 +45,10 @@ def _hf_model(model_dir):
     return model.eval()
 
 
-def _engine_actor(ray, model_dir, tok, env: dict[str, str]):
+def _engine_actor(ray, model_dir, tok, **kwargs):
     from workers.rollout.vllm import VLLMRollout
 
-    actor_cls = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(VLLMRollout)
+    actor_cls = ray.remote(num_cpus=1)(VLLMRollout)
     actor = actor_cls.remote(
         model_dir,
         max_prompt_length=P_MAX,
@@ -63,6 +63,7 @@ def _engine_actor(ray, model_dir, tok, env: dict[str, str]):
         kv_cache_memory_bytes=256 * 2**20,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
+        **kwargs,
     )
     return actor
 
@@ -70,8 +71,8 @@ def _engine_actor(ray, model_dir, tok, env: dict[str, str]):
 @pytest.fixture(scope="module")
 def engine(ray_session, tiny_model_dir, tok):
     ray = ray_session
-    actor = _engine_actor(ray, tiny_model_dir, tok, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert ray.get(actor.__ray_ready__.remote(), timeout=600)
+    actor = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=True)
+    assert ray.get(actor.__ray_call__.remote(lambda self: self.in_process), timeout=600) is True
     yield actor
     ray.get(actor.shutdown.remote(), timeout=120)
     ray.kill(actor)
@@ -172,7 +173,6 @@ def test_greedy_is_deterministic_and_argmax(ray_session, engine, tok, tiny_model
     assert _max_diff(a["rollout_log_probs"], hf, a["response_mask"]) < TOL
     with torch.no_grad():
         for row in range(0, a.batch_size[0], 2):
-            P = a["prompts"].shape[1]
             length = int(a["response_mask"][row].sum())
             ids = a["input_ids"][row][a["attention_mask"][row].bool()][None]
             logits = model(input_ids=ids).logits[0].float()
@@ -181,7 +181,6 @@ def test_greedy_is_deterministic_and_argmax(ray_session, engine, tok, tiny_model
                 step = logits[prompt_len - 1 + t]
                 chosen = a["responses"][row, t]
                 assert step[chosen] >= step.max() - 1e-4, f"row {row} token {t} is not the argmax"
-            del P
 
 
 def test_seed_reproducible(ray_session, engine, tok):
@@ -306,7 +305,8 @@ def test_load_weights_errors_leave_engine_usable(ray_session, engine, tok, tiny_
 def test_multiprocess_engine_file_transport(ray_session, tiny_model_dir, tok):
     """vLLM's default mode (engine in its own process): weights travel as safetensors files."""
     ray = ray_session
-    actor = _engine_actor(ray, tiny_model_dir, tok, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    actor = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=False)
+    assert ray.get(actor.__ray_call__.remote(lambda self: self.in_process), timeout=600) is False
     try:
         batch = _batch(tok)
         model = _hf_model(tiny_model_dir)

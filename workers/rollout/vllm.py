@@ -152,6 +152,20 @@ def _engine_in_process() -> bool:
     return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
 
+def _set_engine_in_process(in_process: bool) -> None:
+    """Set VLLM_ENABLE_V1_MULTIPROCESSING for this process (vLLM reads it when the engine starts)."""
+    value = "0" if in_process else "1"
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = value
+    if _engine_in_process() != in_process:  # vLLM caches its env once an engine has started
+        if previous is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+        raise RuntimeError(f"engine_in_process={in_process}: an engine already started in this process "
+                           "with the other mode (vLLM caches VLLM_ENABLE_V1_MULTIPROCESSING)")
+
+
 class VLLMRollout:
     """n responses per prompt from a vLLM engine; ``load_weights`` syncs the actor into it.
 
@@ -161,8 +175,12 @@ class VLLMRollout:
     distribution the actor scores with — and log_softmax(logits) when greedy.
 
     ``weight_transport``: "auto" (tensors directly when the engine is in this process, files
-    otherwise), "direct", or "file". ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g.
-    ``tensor_parallel_size``, ``max_num_seqs``).
+    otherwise), "direct", or "file". ``engine_in_process``: True runs vLLM's engine in this
+    process (sets VLLM_ENABLE_V1_MULTIPROCESSING=0 here; meant for a dedicated process such as the
+    rollout Ray actor: on 2 CPU cores it starts in ~10 s instead of ~60 s, with no extra engine
+    and worker processes); False forces vLLM's own processes; None (default) follows the
+    environment. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``,
+    ``max_num_seqs``, ``kv_cache_memory_bytes``).
     """
 
     def __init__(
@@ -183,8 +201,11 @@ class VLLMRollout:
         max_model_len: int | None = None,
         weight_chunk_bytes: int = DEFAULT_WEIGHT_CHUNK_BYTES,
         weight_transport: str = "auto",
+        engine_in_process: bool | None = None,
         **engine_kwargs,
     ):
+        if engine_in_process is not None:
+            _set_engine_in_process(bool(engine_in_process))
         from vllm import LLM
 
         if weight_transport not in ("auto", "direct", "file"):
@@ -215,8 +236,6 @@ class VLLMRollout:
             enforce_eager=enforce_eager,
             # rollout log-probs of the distribution actually sampled from (after temperature)
             logprobs_mode="processed_logprobs",
-            # token ids in, token ids out: vLLM needs no tokenizer
-            skip_tokenizer_init=True,
             **engine_kwargs,
         )
 
