@@ -42,9 +42,15 @@ class RolloutWorker(WorkerBase):
         if name == "vllm":
             from workers.rollout.vllm import VLLMRollout
 
+            engine_kwargs = {}
+            if self.device.type == "cpu":
+                # vLLM-CPU sizes its KV cache as a fraction of RAM minus this process; fix it instead
+                engine_kwargs["kv_cache_memory_bytes"] = 256 * 2**20
             self.engine = VLLMRollout(
                 model_path, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                enforce_eager=cfg.rollout.enforce_eager, **kwargs,
+                enforce_eager=cfg.rollout.enforce_eager,
+                engine_in_process=True,  # this Ray actor is the engine's dedicated process
+                **engine_kwargs, **kwargs,
             )
         else:
             from workers.rollout.hf import HFRollout
