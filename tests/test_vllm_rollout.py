@@ -319,3 +319,18 @@ def test_multiprocess_engine_file_transport(ray_session, tiny_model_dir, tok):
     finally:
         ray.get(actor.shutdown.remote(), timeout=120)
         ray.kill(actor)
+
+
+def test_ppo_three_steps_with_vllm_rollout(ray_session, tiny_model_dir, tmp_path):
+    """The whole loop with rollout.name=vllm: generate, update, sync into the running engine."""
+    from conftest import tiny_overrides
+    from controllers.ppo import RLFlow
+    from rlflow import load_config
+
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+        "rollout.name": "vllm", "trainer.total_steps": 3, "trainer.default_local_dir": str(tmp_path)}))
+    history = RLFlow(cfg).fit()
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for row in history:
+        assert torch.isfinite(torch.tensor([row["actor/pg_loss"], row["critic/vf_loss"]])).all()
+        assert row["response/length_mean"] > 0
