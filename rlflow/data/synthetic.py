@@ -1,0 +1,193 @@
+"""Synthetic prompt/answer tasks, embedded so the default run needs no download.
+
+Rows follow verl's dataset layout::
+
+    {"prompt": "123+45=", "data_source": "synthetic/add", "ability": "arithmetic",
+     "reward_model": {"style": "rule", "ground_truth": "168"},
+     "extra_info": {"index": 0, "split": "train"}}
+
+Train and validation rows are disjoint by construction: every problem is assigned to one split by a
+hash of its prompt (``_split_of``), whatever seeds are used, and rows of a split are drawn only
+from problems that belong to it. Generation is deterministic given (task, num_rows, seed, split,
+task kwargs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = [
+    "TASKS",
+    "SyntheticTask",
+    "register_task",
+    "get_task",
+    "make_synthetic_rows",
+    "task_alphabet",
+    "DEFAULT_TASK",
+]
+
+DATA_SOURCE_PREFIX = "synthetic/"
+
+#: One problem in 1/VAL_BUCKETS goes to the held-out splits ("val", "test"); the rest to "train".
+VAL_BUCKETS = 8
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    name: str
+    ability: str
+    #: (rng, **kwargs) -> (prompt, answer)
+    generate: Callable[..., tuple[str, str]]
+    defaults: dict
+    #: every character prompts and answers of this task can contain
+    alphabet: str
+    description: str = ""
+
+    def kwargs(self, **overrides) -> dict:
+        unknown = set(overrides) - set(self.defaults)
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {sorted(unknown)} for synthetic task {self.name!r}; "
+                f"known: {sorted(self.defaults)}"
+            )
+        return {**self.defaults, **overrides}
+
+
+TASKS: dict[str, SyntheticTask] = {}
+
+
+def register_task(task: SyntheticTask) -> SyntheticTask:
+    if task.name in TASKS:
+        raise ValueError(f"synthetic task {task.name!r} is already registered")
+    TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> SyntheticTask:
+    if name.startswith(DATA_SOURCE_PREFIX):
+        name = name[len(DATA_SOURCE_PREFIX):]
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown synthetic task {name!r}; known: {sorted(TASKS)}") from None
+
+
+def task_alphabet(name: str) -> str:
+    return get_task(name).alphabet
+
+
+def _digits(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(n))
+
+
+def _number(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    n = rng.randint(min_digits, max_digits)
+    lo = 0 if n == 1 else 10 ** (n - 1)
+    return rng.randint(lo, 10**n - 1)
+
+
+def _gen_add(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]:
+    a = _number(rng, min_digits, max_digits)
+    b = _number(rng, min_digits, max_digits)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _gen_reverse(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
+    s = _digits(rng, rng.randint(min_len, max_len))
+    return f"{s}>", s[::-1]
+
+
+def _gen_sort(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
+    s = _digits(rng, rng.randint(min_len, max_len))
+    return f"{s}:", "".join(sorted(s))
+
+
+register_task(
+    SyntheticTask(
+        name="add",
+        ability="arithmetic",
+        generate=_gen_add,
+        defaults={"min_digits": 1, "max_digits": 3},
+        alphabet="0123456789+=",
+        description="a+b= -> the decimal sum",
+    )
+)
+register_task(
+    SyntheticTask(
+        name="reverse",
+        ability="string",
+        generate=_gen_reverse,
+        defaults={"min_len": 3, "max_len": 8},
+        alphabet="0123456789>",
+        description="digits> -> the digits reversed",
+    )
+)
+register_task(
+    SyntheticTask(
+        name="sort",
+        ability="string",
+        generate=_gen_sort,
+        defaults={"min_len": 3, "max_len": 8},
+        alphabet="0123456789:",
+        description="digits: -> the digits sorted ascending",
+    )
+)
+
+DEFAULT_TASK = "add"
+
+
+def _split_of(task: str, prompt: str) -> str:
+    h = hashlib.blake2b(f"{task}\0{prompt}".encode(), digest_size=8).digest()
+    return "val" if int.from_bytes(h, "little") % VAL_BUCKETS == 0 else "train"
+
+
+def _seed_for(task: str, seed: int, split: str, kwargs: dict) -> int:
+    key = f"{task}\0{seed}\0{split}\0{sorted(kwargs.items())}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def make_synthetic_rows(
+    task: str, num_rows: int, seed: int, split: str = "train", **task_kwargs
+) -> list[dict]:
+    """``num_rows`` rows of ``task`` for ``split`` ("train", "val" or "test") in verl's layout.
+
+    "val" and "test" draw from the same held-out problems (use different seeds for different
+    sets); "train" never contains a held-out problem. Prompts are unique within the returned
+    list while the problem space allows it.
+    """
+    spec = get_task(task)
+    kwargs = spec.kwargs(**task_kwargs)
+    if split not in ("train", "val", "test"):
+        raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    bucket = "train" if split == "train" else "val"
+    rng = random.Random(_seed_for(spec.name, seed, split, kwargs))
+    rows: list[dict] = []
+    seen: set[str] = set()
+    # Enough tries to fill a split ~VAL_BUCKETS times over; past that, allow repeats.
+    budget = 50 * VAL_BUCKETS * max(num_rows, 1) + 1000
+    tries = 0
+    while len(rows) < num_rows:
+        prompt, answer = spec.generate(rng, **kwargs)
+        tries += 1
+        if _split_of(spec.name, prompt) != bucket:
+            if tries > budget * 4:
+                raise RuntimeError(f"could not draw {split} problems for task {task!r}")
+            continue
+        if prompt in seen and tries < budget:
+            continue
+        seen.add(prompt)
+        rows.append(
+            {
+                "prompt": prompt,
+                "data_source": DATA_SOURCE_PREFIX + spec.name,
+                "ability": spec.ability,
+                "reward_model": {"style": "rule", "ground_truth": answer},
+                "extra_info": {"index": len(rows), "split": split},
+            }
+        )
+    return rows

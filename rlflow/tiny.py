@@ -1,0 +1,413 @@
+"""A tiny Qwen2 model and tokenizer built locally, and the SFT warm start of the default run.
+
+Nothing here downloads anything: the tokenizer is a byte-level BPE trained with ``tokenizers`` on
+text of the synthetic tasks' alphabet, the model is a ``Qwen2ForCausalLM`` initialised from a
+config, and ``warm_start`` fine-tunes it briefly on synthetic train rows and caches the result
+under ``$RLFLOW_CACHE`` (default ``~/.cache/rlflow``).
+
+The tokenizer uses exactly the pipeline transformers' ``Qwen2Tokenizer`` builds from a vocab and
+merges (NFC, Qwen2's split regex, byte-level with no prefix space, byte-level decoder), so the
+folder reloads the same whether ``AutoTokenizer`` returns a ``PreTrainedTokenizerFast`` or
+rebuilds it as ``Qwen2Tokenizer`` (transformers 5 does for a folder whose config says qwen2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = [
+    "CODE_VERSION",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "MODEL_DEFAULTS",
+    "SFT_DEFAULTS",
+    "build_tokenizer",
+    "build_tiny_model",
+    "warm_start",
+    "cache_root",
+    "evaluate_exact_match",
+]
+
+#: Bump when a change here changes what warm_start produces, so old cache entries are not reused.
+CODE_VERSION = "1"
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+# Qwen2's pre-tokenizer regex (digits are split one by one, so no merge ever joins two digits).
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+MODEL_DEFAULTS: dict = {
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "max_position_embeddings": 128,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "seed": 0,
+}
+
+SFT_DEFAULTS: dict = {
+    "steps": 300,
+    "batch_size": 64,
+    "lr": 1e-3,
+    "warmup_steps": 20,
+    "weight_decay": 0.0,
+    "num_rows": 20000,
+    "seed": 0,
+    "grad_clip": 1.0,
+}
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("RLFLOW_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "rlflow"
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _tokenizer_corpus() -> list[str]:
+    from rlflow.data.synthetic import TASKS, make_synthetic_rows
+
+    lines: list[str] = []
+    for name in sorted(TASKS):
+        for row in make_synthetic_rows(name, 200, seed=12345, split="train"):
+            lines.append(row["prompt"] + row["reward_model"]["ground_truth"])
+            lines.append(row["prompt"] + " " + row["reward_model"]["ground_truth"])
+    chars = sorted({c for name in TASKS for c in TASKS[name].alphabet} | set(" \n"))
+    lines.append("".join(chars))
+    lines.append("the answer is 42\nQ: what is 3+4? A: 7")
+    return lines
+
+
+def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 300):
+    """Train a byte-level BPE tokenizer on task text and save it (transformers format) in out_dir.
+
+    Returns the ``PreTrainedTokenizerFast``. ``eos_token`` = ``<|endoftext|>`` (id 0) and
+    ``pad_token`` = ``<|pad|>`` (id 1) are distinct; there is no bos (like Qwen2). All 256 bytes are
+    in the vocabulary, so any text round-trips.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_DEFAULTS["max_position_embeddings"],
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out))
+    return hf
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+
+
+def _qwen2_config(vocab_size: int, eos_id: int, pad_id: int, **model_kwargs):
+    from transformers import Qwen2Config
+
+    m = {**MODEL_DEFAULTS, **model_kwargs}
+    unknown = set(m) - set(MODEL_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown model option(s) {sorted(unknown)}; known: {sorted(MODEL_DEFAULTS)}")
+    hidden, heads = m["hidden_size"], m["num_attention_heads"]
+    if hidden % heads:
+        raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=m["intermediate_size"],
+        num_hidden_layers=m["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=m["num_key_value_heads"],
+        max_position_embeddings=m["max_position_embeddings"],
+        rope_theta=m["rope_theta"],
+        tie_word_embeddings=m["tie_word_embeddings"],
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=True,
+        torch_dtype="float32",
+    )
+
+
+def build_tiny_model(out_dir: str | os.PathLike, **model_kwargs) -> str:
+    """Build tokenizer + randomly initialised Qwen2ForCausalLM (float32, safetensors) in out_dir.
+
+    ``model_kwargs`` override MODEL_DEFAULTS (hidden_size, num_layers, num_attention_heads,
+    num_key_value_heads, intermediate_size, max_position_embeddings, rope_theta,
+    tie_word_embeddings, seed). The defaults give ~0.9M parameters. Returns out_dir as a string.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out)
+    seed = {**MODEL_DEFAULTS, **model_kwargs}["seed"]
+    config = _qwen2_config(len(tok), tok.eos_token_id, tok.pad_token_id, **model_kwargs)
+    devnull_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    finally:
+        torch.random.set_rng_state(devnull_state)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    # save_pretrained of the tokenizer again so its files sit next to the config
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# SFT warm start
+
+
+def _encode_sft_rows(tok, rows):
+    eos = tok.eos_token_id
+    examples = []
+    for row in rows:
+        p = tok.encode(row["prompt"], add_special_tokens=False)
+        a = tok.encode(row["reward_model"]["ground_truth"], add_special_tokens=False) + [eos]
+        examples.append((p, a))
+    return examples
+
+
+def _sft_batch(examples, pad_id):
+    import torch
+
+    width = max(len(p) + len(a) for p, a in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (p, a) in enumerate(examples):
+        seq = p + a
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(p) : len(seq)] = torch.tensor(a)
+        mask[i, : len(seq)] = 1
+    return ids, mask, labels
+
+
+def _run_sft(model, tok, task: str, task_kwargs: dict, sft: dict, log) -> dict:
+    import torch
+
+    from rlflow.data.synthetic import make_synthetic_rows
+
+    rows = make_synthetic_rows(task, sft["num_rows"], seed=sft["seed"], split="train", **task_kwargs)
+    examples = _encode_sft_rows(tok, rows)
+    gen = torch.Generator().manual_seed(sft["seed"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=sft["lr"], weight_decay=sft["weight_decay"], betas=(0.9, 0.98)
+    )
+    steps, bs, warm = sft["steps"], sft["batch_size"], max(sft["warmup_steps"], 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    model.train()
+    order = torch.randperm(len(examples), generator=gen).tolist()
+    pos = 0
+    t0 = time.time()
+    last = float("nan")
+    for step in range(steps):
+        if pos + bs > len(order):
+            order = torch.randperm(len(examples), generator=gen).tolist()
+            pos = 0
+        batch = [examples[j] for j in order[pos : pos + bs]]
+        pos += bs
+        ids, mask, labels = _sft_batch(batch, tok.pad_token_id)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if sft["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), sft["grad_clip"])
+        opt.step()
+        sched.step()
+        last = float(out.loss)
+        if log and (step + 1) % max(1, steps // 5) == 0:
+            log(f"[rlflow] warm start {task}: step {step + 1}/{steps} loss {last:.4f} "
+                f"({time.time() - t0:.0f}s)")
+    model.eval()
+    return {"final_loss": last, "seconds": time.time() - t0}
+
+
+def _cache_key(task: str, task_kwargs: dict, model_kwargs: dict, sft: dict) -> str:
+    blob = json.dumps(
+        {
+            "code_version": CODE_VERSION,
+            "task": task,
+            "task_kwargs": task_kwargs,
+            "model": model_kwargs,
+            "sft": sft,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def warm_start(
+    task: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    model: dict | None = None,
+    task_kwargs: dict | None = None,
+    verbose: bool = True,
+    **sft_kwargs,
+) -> str:
+    """Return a model folder for ``task``: tiny Qwen2 + tokenizer, SFT-ed on synthetic train rows.
+
+    ``sft_kwargs`` override SFT_DEFAULTS (steps, batch_size, lr, warmup_steps, weight_decay,
+    num_rows, seed, grad_clip); ``model`` overrides MODEL_DEFAULTS; ``task_kwargs`` are passed to
+    the task generator. The folder is ``<cache>/warm/<task>-<hash>``, the hash covering all of
+    these and CODE_VERSION; if it exists it is returned at once. It is written to a temporary
+    folder beside it and renamed into place, so an interrupted run leaves no partial folder.
+    """
+    from rlflow.data.synthetic import DEFAULT_TASK, get_task
+
+    task = get_task(task or DEFAULT_TASK).name
+    tkw = get_task(task).kwargs(**(task_kwargs or {}))
+    unknown = set(sft_kwargs) - set(SFT_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown SFT option(s) {sorted(unknown)}; known: {sorted(SFT_DEFAULTS)}")
+    sft = {**SFT_DEFAULTS, **sft_kwargs}
+    mkw = {**MODEL_DEFAULTS, **(model or {})}
+    _qwen2_config(300, 0, 1, **mkw)  # validate the model options before doing any work
+
+    root = cache_root(cache_dir) / "warm"
+    final = root / f"{task}-{_cache_key(task, tkw, mkw, sft)}"
+    if (final / "config.json").is_file():
+        return str(final)
+
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.time()
+        if log:
+            log(f"[rlflow] warm start {task}: building tiny model, SFT {sft['steps']} steps "
+                f"-> {final}")
+        build_tiny_model(tmp, **mkw)
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        lm = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+        rng_state = torch.random.get_rng_state()
+        py_state = random.getstate()
+        try:
+            torch.manual_seed(sft["seed"])
+            info = _run_sft(lm, tok, task, tkw, sft, log)
+        finally:
+            torch.random.set_rng_state(rng_state)
+            random.setstate(py_state)
+        lm.save_pretrained(str(tmp), safe_serialization=True)
+        meta = {
+            "code_version": CODE_VERSION,
+            "task": task,
+            "task_kwargs": tkw,
+            "model": mkw,
+            "sft": sft,
+            "final_loss": info["final_loss"],
+            "sft_seconds": round(info["seconds"], 2),
+        }
+        (tmp / "rlflow_warm_start.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # another process finished the same entry first: keep theirs
+            if not (final / "config.json").is_file():
+                raise
+        if log:
+            log(f"[rlflow] warm start {task}: done in {time.time() - t0:.0f}s "
+                f"(final loss {info['final_loss']:.4f})")
+        return str(final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation helper (used by the scripts and tests; the framework has its own validation)
+
+
+def evaluate_exact_match(
+    model,
+    tok,
+    rows: list[dict],
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    max_new_tokens: int = 16,
+    batch_size: int = 128,
+    seed: int = 0,
+) -> float:
+    """Fraction of rows whose generated answer (decoded, special tokens skipped) is exact."""
+    import torch
+
+    from rlflow.rewards.synthetic import compute_score
+
+    hits = 0.0
+    tok.padding_side = "left"
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+            if do_sample:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature if do_sample else None,
+                top_k=0 if do_sample else None,
+                top_p=1.0 if do_sample else None,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+            texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for r, t in zip(chunk, texts):
+                hits += compute_score(r["data_source"], t, r["reward_model"]["ground_truth"])["acc"]
+    return hits / max(len(rows), 1)
