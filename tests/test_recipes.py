@@ -1,0 +1,95 @@
+"""The shipped recipes beyond the default: GSM8K on a real HF model (GPU; here it is loaded and
+validated, and its data path checked end to end up to the reward) and GRPO on the embedded task.
+(That every yaml in configs/ loads is tests/test_config.py::test_every_shipped_recipe_loads.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlflow.config import ConfigError, load_config, to_dataclass
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO / "configs" / "gsm8k_qwen2.5_0.5b.yaml"
+GRPO = REPO / "configs" / "grpo.yaml"
+
+
+def _preprocess_module():
+    spec = importlib.util.spec_from_file_location("preprocess_gsm8k", REPO / "scripts" / "preprocess_gsm8k.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gsm8k_recipe_validates_for_8_gpus_with_vllm_and_fsdp2(monkeypatch):
+    monkeypatch.delenv("RLFLOW_MODEL_PATH", raising=False)
+    cfg = load_config(GSM8K)
+    assert cfg.rollout.name == "vllm" and cfg.rollout.dtype == "bfloat16" and not cfg.rollout.enforce_eager
+    assert cfg.actor.strategy == cfg.critic.strategy == "fsdp2"
+    assert cfg.actor.dp_size == cfg.critic.dp_size == cfg.rollout.dp_size == 8
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable and not cfg.reference.enable
+    assert cfg.critic.ppo_mini_batch_size == cfg.actor.ppo_mini_batch_size  # inherited
+    assert cfg.actor.loss_scale_factor == cfg.data.max_response_length == 512
+    assert list(cfg.data.train_files) == ["data/gsm8k/train.parquet"]
+    assert list(cfg.data.val_files) == ["data/gsm8k/test.parquet"]
+    assert cfg.trainer.resume_mode == "auto" and cfg.trainer.save_freq > 0
+    # the model folder is a placeholder the user sets; the interpolation survives load + validate
+    assert cfg.actor.model.path == cfg.critic.model.path == "/models/Qwen2.5-0.5B-Instruct"
+    assert OmegaConf.to_container(cfg.actor.model)["path"].startswith("${oc.env:RLFLOW_MODEL_PATH")
+
+
+def test_gsm8k_model_path_comes_from_rlflow_model_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLFLOW_MODEL_PATH", str(tmp_path / "qwen"))
+    cfg = load_config(GSM8K)
+    typed = to_dataclass(cfg)  # what the driver builds the run from
+    assert typed.actor.model.path == typed.critic.model.path == str(tmp_path / "qwen")
+
+
+def test_gsm8k_recipe_scales_down_and_its_checks_still_apply():
+    small = ["actor.dp_size=2", "critic.dp_size=2", "rollout.dp_size=2"]
+    cfg = load_config(GSM8K, small)
+    assert cfg.critic.dp_size == 2
+    with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
+        load_config(GSM8K, ["actor.ppo_micro_batch_size_per_gpu=3"])
+
+
+def test_gsm8k_preprocessed_rows_feed_the_recipes_reward(tmp_path):
+    """preprocess_gsm8k.py output -> the recipe's prompt_key -> load_rows -> the built-in reward
+    dispatched by data_source (openai/gsm8k): a right answer scores 1, a wrong one 0."""
+    from rlflow.data.dataset import load_rows
+    from rlflow.rewards import compute_score
+
+    pre = _preprocess_module()
+    sample = [
+        {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
+        {"question": "A box holds 1,200 pens; 200 are sold. How many are left?", "answer": "1200 - 200 = 1000\n#### 1,000"},
+    ]
+    rows = pre.convert_records([json.dumps(r) for r in sample], split="train")
+    path = tmp_path / "data" / "gsm8k" / "train.parquet"
+    pre.write_parquet_atomic(rows, str(path))
+    cfg = load_config(GSM8K, [f"data.train_files=[{path}]"])
+    loaded = load_rows(list(cfg.data.train_files), prompt_key=cfg.data.prompt_key)
+    assert [r["data_source"] for r in loaded] == ["openai/gsm8k"] * 2
+    truths = [r["reward_model"]["ground_truth"] for r in loaded]
+    assert truths == ["7", "1000"]
+    assert loaded[0][cfg.data.prompt_key][0]["role"] == "user"  # chat messages: the chat template applies
+    ok = compute_score(loaded[1]["data_source"], "1200 - 200 = 1000 pens.\n#### 1000", truths[1])
+    wrong = compute_score(loaded[0]["data_source"], "3 + 4 = 8\n#### 8", truths[0])
+    assert _score(ok) == 1.0 and _score(wrong) == 0.0
+
+
+def _score(result) -> float:
+    return float(result["score"] if isinstance(result, dict) else result)
+
+
+def test_grpo_recipe_is_grpo_with_kl_loss_and_no_critic():
+    cfg = load_config(GRPO)
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 8
+    assert not cfg.critic.enable and cfg.reference.enable and cfg.actor.use_kl_loss
+    assert cfg.actor.model.path == "tiny" and not cfg.data.train_files  # the embedded task
+    assert (cfg.data.train_batch_size * cfg.rollout.n) % cfg.actor.ppo_mini_batch_size == 0
+
