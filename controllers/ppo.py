@@ -180,15 +180,21 @@ class PPOTrainer:
                 val = self.validate()
                 self.history.append({"step": 0, **val})
                 self.tracker.log(val, step=0)
+            from controllers.worker_group import WorkerError
+
             for step in range(start_step, cfg.trainer.total_steps):
-                metrics = self.train_step(step)
+                try:
+                    metrics = self.train_step(step)
+                except (WorkerError, FloatingPointError) as err:
+                    raise type(err)(f"step {step + 1} (of {cfg.trainer.total_steps}): {err}") from err
                 is_last = step + 1 == cfg.trainer.total_steps
                 if self.val_dataset is not None and cfg.trainer.test_freq > 0 and ((step + 1) % cfg.trainer.test_freq == 0 or is_last):
                     metrics.update(self.validate())
-                if cfg.trainer.save_freq > 0 and ((step + 1) % cfg.trainer.save_freq == 0 or is_last):
-                    self.save_checkpoint(step + 1)
                 self.history.append({"step": step + 1, **metrics})
                 self.tracker.log(metrics, step=step + 1)
+                # after the history has this step: a checkpoint holds the history up to its step
+                if cfg.trainer.save_freq > 0 and ((step + 1) % cfg.trainer.save_freq == 0 or is_last):
+                    self.save_checkpoint(step + 1)
             if cfg.trainer.record_rollouts:
                 _atomic_torch_save(self.recorded, cfg.trainer.record_rollouts)
             self.tracker.close()
@@ -333,6 +339,9 @@ class PPOTrainer:
             num_minibatches = len(per_rank[0])
             per_minibatch = [reduce_metrics(rec for rank in per_rank for rec in rank[j]) for j in range(num_minibatches)]
             metrics.update(mean_over_minibatches(per_minibatch))
+            skipped = f"{role}/skipped_minibatches"  # a count (nan_policy=skip), not a mean
+            if any(skipped in m for m in per_minibatch):
+                metrics[skipped] = float(sum(m.get(skipped, 0.0) for m in per_minibatch))
         return metrics
 
     def sync_weights(self) -> None:
@@ -444,7 +453,7 @@ def _cluster_gpus() -> float:
 
 
 def _worker_env() -> dict:
-    keep = ("RLFLOW_TEST_LOCAL_NORMALISATION", "RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    keep = ("RLFLOW_TEST_LOCAL_NORMALISATION", "RLFLOW_TEST_FAULT", "RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 

@@ -44,42 +44,57 @@ class ResourcePool:
 
 
 def get_with_timeout(futures: list, what: list[str], timeout_s: float) -> list:
-    """ray.get for several futures; an error or a timeout names which call on which rank."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(futures)
-    ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
-    results = []
-    for future, label in zip(futures, what):
-        if future in not_ready:
-            # a failed rank often leaves the others blocked in a collective: report the failure
-            failed = [lbl for f, lbl in zip(futures, what) if f in ready and _failed(f)]
-            if failed:
-                try:
-                    ray.get(next(f for f, lbl in zip(futures, what) if lbl == failed[0]))
-                except Exception as err:  # noqa: BLE001 - re-raised with the rank named
-                    raise _worker_error(failed[0], err) from err
-            raise WorkerError(
-                f"{label} did not return within trainer.remote_timeout_s={timeout_s:.0f} s "
-                f"(waited {timeout_s - max(0.0, deadline - time.monotonic()):.0f} s)"
-            )
-        try:
-            results.append(ray.get(future))
-        except Exception as err:  # noqa: BLE001 - re-raised with the rank named
-            raise _worker_error(label, err) from err
-    return results
+    """ray.get for several futures; an error or a timeout names which call on which rank.
+
+    Returns as soon as any call fails, without waiting for the others: a dead or failed rank
+    usually leaves its peers blocked in a collective until the gloo/nccl timeout, and that must
+    not delay the error. Results are fetched once (they can be whole state dicts).
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    label_of = dict(zip(futures, what))
+    results: dict = {}
+    pending = list(dict.fromkeys(futures))
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        for future in ready:
+            try:
+                results[future] = ray.get(future)
+            except Exception as err:  # noqa: BLE001 - re-raised with the rank named
+                raise _group_failure(label_of[future], err, pending, label_of, deadline) from err
+    if pending:
+        late = ", ".join(label_of[f] for f in pending)
+        raise WorkerError(
+            f"{late} did not return within trainer.remote_timeout_s={timeout_s:g} s "
+            f"(waited {time.monotonic() - start:.1f} s)"
+        )
+    return [results[f] for f in futures]
 
 
-def _failed(future) -> bool:
-    try:
-        ray.get(future, timeout=0)
-        return False
-    except Exception:  # noqa: BLE001
-        return True
+def _group_failure(label: str, err: Exception, pending: list, label_of: dict, deadline: float,
+                   grace_s: float = 1.0) -> WorkerError:
+    """The first failure, plus whatever other ranks report within a short grace period."""
+    primary = _worker_error(label, err)
+    others = []
+    if pending:
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(grace_s, deadline - time.monotonic())))
+        for future in ready:
+            try:
+                ray.get(future)
+            except Exception as other:  # noqa: BLE001
+                others.append(str(_worker_error(label_of[future], other)).splitlines()[0][:300])
+    if others:
+        return WorkerError(f"{primary}\n(then: {'; '.join(others)})")
+    return primary
 
 
 def _worker_error(label: str, err: Exception) -> WorkerError:
     if isinstance(err, ray.exceptions.RayActorError):
-        return WorkerError(f"{label}: the worker process died ({type(err).__name__}): {err}")
+        detail = " ".join(str(err).split())[:400]
+        return WorkerError(f"{label}: the worker process died ({type(err).__name__}): {detail}")
     cause = getattr(err, "cause", None) or err
     return WorkerError(f"{label} raised {type(cause).__name__}: {cause}")
 

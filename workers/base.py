@@ -34,6 +34,41 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
 
 
+def capture_rng_state() -> dict:
+    """This process's RNG states (torch CPU and CUDA, python, numpy) as weights_only-loadable data."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    except ImportError:  # numpy is optional here
+        pass
+    return state
+
+
+def restore_rng_state(state) -> None:
+    """Inverse of capture_rng_state (a bare tensor is taken as the torch CPU state)."""
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["torch"])
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np_state = state["numpy"]
+        np.random.set_state((np_state["name"], np_state["keys"].numpy().astype("uint32"), np_state["pos"],
+                             np_state["has_gauss"], np_state["cached_gaussian"]))
+
+
 def _quiet_libraries() -> None:
     """Load reports and progress bars from every rank drown the driver's own progress output."""
     import warnings

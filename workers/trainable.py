@@ -16,7 +16,8 @@ from tensordict import TensorDict
 
 from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import BatchMeta, get_meta, split_micro_batches
-from workers.base import WorkerBase
+from workers import faults
+from workers.base import WorkerBase, capture_rng_state, restore_rng_state
 
 MICRO_PLAN_KEY = "num_micro_batches"
 
@@ -78,6 +79,7 @@ class TrainableWorker(WorkerBase):
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
+        shards = faults.poison(shards, faults.check(self.role, self.rank, "update"))  # test-only hook
         self.model.train()
         section = self.section_cfg()
         per_minibatch = []
@@ -122,39 +124,43 @@ class TrainableWorker(WorkerBase):
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:
-        """Full (unsharded) model and optimizer state on rank 0."""
+        """Full (unsharded) model and optimizer state on rank 0, every rank's RNG states.
+
+        Every rank must call it (a collective under FSDP2). Optimizer state is keyed by parameter
+        name (torch.distributed.checkpoint's full form) whatever the strategy, so a checkpoint
+        loads under fsdp2, ddp or a single rank, with any dp size.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         model_state = self.full_state_dict(self.model)
-        if self.distributed and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            optim_state = get_optimizer_state_dict(
-                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            optim_state = self.optimizer.state_dict()
+        never_stepped = not self.optimizer.state
+        optim_state = get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if never_stepped:
+            # get_optimizer_state_dict initialises an empty state with a fake step (step=1, zero
+            # moments): undo it, or saving would shift Adam's bias correction for the whole run
+            self.optimizer.state.clear()
+            optim_state["state"] = {}
+        rng = capture_rng_state()
         if self.rank != 0:
-            return {}
-        return {
-            "model": model_state,
-            "optimizer": optim_state,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
+            return {"rng": rng}
+        return {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": rng}
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        if self.distributed and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
+    def load_checkpoint_state(self, state: dict, rng: dict | None = None) -> None:
+        """Load a full state (every rank gets the whole of it); `rng` is this rank's RNG state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-            set_model_state_dict(self.model, state["model"], options=options)
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        else:
-            module = self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else self.model
-            module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        if not state["optimizer"].get("state"):
+            self.optimizer.state.clear()  # saved before any step: undo set_optimizer_state_dict's fake step
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
+        rng = rng if rng is not None else state.get("rng")
+        if rng is not None:
+            restore_rng_state(rng)

@@ -1,0 +1,580 @@
+"""Checkpoints: atomic save, verified resume, HF export.
+
+A checkpoint is the folder ``<run_dir>/checkpoints/step_<N>/`` (N = steps done)::
+
+    manifest.json              format, step, and the sha256 + size of every other file
+    trainer_state.pt           step, dataloader position, KL controller, driver RNGs, history
+    run_config.json            the run's config (for a human, and to warn when a resume differs)
+    actor/model.safetensors    full (unsharded) weights; tied weights stored once (metadata)
+    actor/optimizer.pt         {"optimizer": by parameter name, "scheduler": ...}
+    actor/rng.pt               {"per_rank": [RNG states of rank 0, 1, ...]}
+    critic/...                 the same, when the run has a critic
+    hf/                        config.json, tokenizer and generation files of the model folder
+
+Every ``.pt`` file holds only tensors, dicts, lists, tuples, numbers, strings and None: it is
+read with ``torch.load(weights_only=True)`` (checked on save), so a checkpoint from elsewhere
+cannot run code. Weights are safetensors.
+
+Writing is atomic: the whole folder is written under ``checkpoints/.tmp-step_<N>-*``, every file
+and folder fsync'ed, the manifest written last, then the folder is renamed to ``step_<N>`` and
+the ``latest`` pointer (a one-line file) replaced atomically. Only then are checkpoints beyond
+``trainer.max_to_keep`` (and leftovers of interrupted saves) deleted. A save killed at any point
+leaves the previous checkpoint as ``latest``; a half-written folder never has a ``step_<N>`` name.
+
+Loading verifies the manifest first: a missing file, a size or a checksum mismatch is a
+CheckpointError naming the file and the checkpoint; nothing is loaded from a checkpoint that
+does not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+ROLES = ("actor", "critic")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+_MAX_HF_FILE = 200 * 2**20
+
+# Test hook: called with each file's relative path after it is written into the temporary folder
+# (tests raise from it to simulate a process killed in the middle of a save).
+_after_file_written: Callable[[str], None] | None = None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the checkpoint and the file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def save(trainer, step: int) -> str:
+    """Write the checkpoint of `step` (steps done) atomically; returns its folder."""
+    cfg = trainer.cfg
+    root = checkpoint_root(trainer.run_dir)
+    os.makedirs(root, exist_ok=True)
+    # 1. collect everything first (a collective on the FSDP2 ranks), so a failing worker leaves
+    #    no folder at all
+    role_states = {role: trainer.groups[role].call_all("state_for_checkpoint") for role in ROLES if role in trainer.groups}
+    trainer_state = {
+        "format": FORMAT_VERSION,
+        "step": int(step),
+        "dataloader": trainer.loader.state_dict(),
+        "kl_ctrl": trainer.kl_ctrl.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "history": list(trainer.history),
+        "recorded": dict(getattr(trainer, "recorded", {}) or {}),
+        "model_path": str(getattr(trainer, "model_path", "")),
+    }
+    # 2. write into a temporary folder beside the final one
+    final = os.path.join(root, f"step_{step}")
+    tmp = tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root)
+    try:
+        writer = _Writer(tmp)
+        for role, states in role_states.items():
+            full = states[0]
+            missing = [k for k in ("model", "optimizer", "scheduler") if k not in full]
+            if missing:
+                raise CheckpointError(f"{role} rank 0 returned no {missing} from state_for_checkpoint")
+            writer.safetensors(f"{role}/model.safetensors", full["model"])
+            writer.torch_save(f"{role}/optimizer.pt", {"optimizer": full["optimizer"], "scheduler": full["scheduler"]})
+            writer.torch_save(f"{role}/rng.pt", {"per_rank": [s.get("rng") for s in states]})
+        writer.torch_save(TRAINER_STATE, trainer_state)
+        writer.json("run_config.json", _config_dict(cfg))
+        model_path = getattr(trainer, "model_path", None)
+        if model_path and os.path.isdir(model_path):
+            for name in _hf_side_files(model_path):
+                writer.copy(os.path.join(model_path, name), f"hf/{name}")
+        writer.manifest(step, roles=list(role_states))
+        writer.sync_dirs()
+        # 3. commit: the rename is the point where the checkpoint exists
+        _rename_into_place(tmp, final)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_latest(root, os.path.basename(final))
+    _prune(root, keep=cfg.trainer.max_to_keep, current=os.path.basename(final))
+    return final
+
+
+class _Writer:
+    """Writes files under a folder, fsyncs each, records (sha256, size) for the manifest."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self.files: dict[str, dict] = {}
+        self.dirs = {base}
+
+    def _path(self, rel: str) -> str:
+        path = os.path.join(self.base, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.dirs.add(os.path.dirname(path))
+        return path
+
+    def _done(self, rel: str, path: str) -> None:
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        self.files[rel] = {"sha256": _sha256(path), "size": os.path.getsize(path)}
+        if _after_file_written is not None:
+            _after_file_written(rel)
+
+    def torch_save(self, rel: str, obj: Any) -> None:
+        _check_weights_only(obj, rel)
+        path = self._path(rel)
+        torch.save(obj, path)
+        self._done(rel, path)
+
+    def safetensors(self, rel: str, state: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        tensors, aliases = _dedupe_tied(state)
+        path = self._path(rel)
+        save_file(tensors, path, metadata={"format": "pt", "rlflow_aliases": json.dumps(aliases)})
+        self._done(rel, path)
+
+    def json(self, rel: str, obj: Any) -> None:
+        path = self._path(rel)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, default=str)
+        self._done(rel, path)
+
+    def copy(self, src: str, rel: str) -> None:
+        path = self._path(rel)
+        shutil.copyfile(src, path)
+        self._done(rel, path)
+
+    def manifest(self, step: int, roles: list[str]) -> None:
+        path = self._path(MANIFEST)
+        body = {"format": FORMAT_VERSION, "step": int(step), "roles": roles, "created": time.time(), "files": self.files}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(body, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def sync_dirs(self) -> None:
+        for d in sorted(self.dirs, key=len, reverse=True):
+            _fsync_dir(d)
+
+
+def _dedupe_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Store equal tensors once: tied embeddings (which arrive as copies from the workers, and which
+    safetensors refuses when they share memory). Loading gives every name its value back, so
+    merging tensors that are merely equal (zero-initialised biases) loses nothing."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    buckets: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"model state entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        tensor = tensor.detach().cpu().contiguous()
+        probe = bytes(tensor.reshape(-1)[:64].contiguous().view(torch.uint8).tolist()) if tensor.numel() else b""
+        key = (tensor.dtype, tuple(tensor.shape), probe)
+        twin = next((other for other in buckets.get(key, ()) if torch.equal(tensors[other], tensor)), None)
+        if twin is not None:
+            aliases[name] = twin
+            continue
+        buckets.setdefault(key, []).append(name)
+        tensors[name] = tensor
+    # tensors still sharing memory (views of one storage) are stored as separate copies
+    owners: dict[int, int] = {}
+    for tensor in tensors.values():
+        ptr = tensor.untyped_storage().data_ptr()
+        owners[ptr] = owners.get(ptr, 0) + 1
+    for name, tensor in list(tensors.items()):
+        if tensor.numel() and owners[tensor.untyped_storage().data_ptr()] > 1:
+            tensors[name] = tensor.clone()
+    return tensors, aliases
+
+
+_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_weights_only(obj: Any, where: str, path: str = "") -> None:
+    """Everything torch.save writes here must load with weights_only=True: fail at save, not at resume."""
+    if isinstance(obj, _SAFE_LEAVES):
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int, float, bool)):
+                raise CheckpointError(f"{where}: key {key!r} at {path or '/'} is a {type(key).__name__}")
+            _check_weights_only(value, where, f"{path}/{key}")
+        return
+    if isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            _check_weights_only(value, where, f"{path}[{index}]")
+        return
+    raise CheckpointError(
+        f"{where}: {path or '/'} is a {type(obj).__module__}.{type(obj).__name__}, which torch.load(weights_only=True) "
+        "would refuse; convert it to tensors / numbers / strings before saving"
+    )
+
+
+def _hf_side_files(model_path: str) -> list[str]:
+    """The model folder's config, generation config and tokenizer files (not its weights)."""
+    names = []
+    for name in sorted(os.listdir(model_path)):
+        path = os.path.join(model_path, name)
+        if not os.path.isfile(path) or name.startswith("."):
+            continue
+        if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or os.path.getsize(path) > _MAX_HF_FILE:
+            continue
+        names.append(name)
+    return names
+
+
+def _rename_into_place(tmp: str, final: str) -> None:
+    if os.path.exists(final):
+        # the same step saved again (a resumed run re-did it): swap, then delete the old one
+        trash = tempfile.mkdtemp(prefix=f".trash-{os.path.basename(final)}-", dir=os.path.dirname(final))
+        os.rename(final, os.path.join(trash, "old"))
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f".{LATEST}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
+
+
+def _prune(root: str, keep: int, current: str) -> None:
+    """Keep the `keep` newest checkpoints (always `current`); remove leftovers of killed saves."""
+    steps = sorted(list_checkpoints(root), key=lambda item: item[0])
+    names = [name for _, name in steps]
+    kept = set(names[-keep:]) | {current}
+    for name in names:
+        if name not in kept:
+            _remove_dir(root, name)
+    for name in os.listdir(root):
+        if name.startswith((".tmp-", ".trash-")) and os.path.isdir(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _remove_dir(root: str, name: str) -> None:
+    # rename first: a deletion cut short must not leave a broken step_<N> folder behind
+    trash = os.path.join(root, f".trash-{name}-{os.getpid()}")
+    os.rename(os.path.join(root, name), trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _config_dict(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# finding and verifying
+# ---------------------------------------------------------------------------------------------
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, folder name) of every committed checkpoint folder under `root`."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            found.append((int(match.group(1)), name))
+    return sorted(found)
+
+
+def find_latest(root: str) -> str | None:
+    """The checkpoint `latest` names; without a usable pointer, the highest step_<N> folder."""
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read().strip()
+        if _STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name)):
+            return os.path.join(root, name)
+        _warn(f"{pointer} names {name!r}, which is not a checkpoint folder there; using the highest step_<N> folder")
+    found = list_checkpoints(root)
+    return os.path.join(root, found[-1][1]) if found else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A step folder, or a checkpoints folder / run folder (-> its latest checkpoint)."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MANIFEST)) or _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+        return path
+    for root in (path, checkpoint_root(path)):
+        latest = find_latest(root)
+        if latest is not None:
+            return latest
+    raise CheckpointError(f"{path} is not an rlflow checkpoint folder (no {MANIFEST}) and holds no checkpoints")
+
+
+def verify(ckpt_dir: str) -> dict:
+    """Check every file against the manifest; returns the manifest. Raises CheckpointError."""
+    manifest_path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not exist")
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {MANIFEST}: it is incomplete or not an rlflow checkpoint")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {MANIFEST} is unreadable ({err})") from err
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: format {manifest.get('format')!r}, this rlflow reads {FORMAT_VERSION}")
+    base = os.path.realpath(ckpt_dir)
+    for rel, entry in files.items():
+        path = os.path.realpath(os.path.join(ckpt_dir, rel))
+        if os.path.isabs(rel) or not path.startswith(base + os.sep):
+            raise CheckpointError(f"checkpoint {ckpt_dir}: {MANIFEST} lists {rel!r}, a path outside the checkpoint")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {ckpt_dir}: file {rel} is missing")
+        size = os.path.getsize(path)
+        if size != entry.get("size"):
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir}: file {rel} has {size} bytes, the manifest says {entry.get('size')} "
+                "(truncated or replaced)"
+            )
+        if _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"checkpoint {ckpt_dir}: file {rel} does not match its sha256 in the manifest (corrupted or modified)")
+    if TRAINER_STATE not in files:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: the manifest lists no {TRAINER_STATE}")
+    return manifest
+
+
+def _torch_load(ckpt_dir: str, rel: str) -> Any:
+    import pickle
+
+    path = os.path.join(ckpt_dir, rel)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir}: file {rel} holds objects other than tensors and plain data; it was refused "
+            f"(torch.load(weights_only=True)) and not executed: {str(err).splitlines()[0]}"
+        ) from err
+    except Exception as err:  # noqa: BLE001 - a broken zip, an EOF, ...
+        raise CheckpointError(f"checkpoint {ckpt_dir}: file {rel} cannot be read: {type(err).__name__}: {err}") from err
+
+
+def _load_model_file(ckpt_dir: str, rel: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    path = os.path.join(ckpt_dir, rel)
+    try:
+        with safe_open(path, framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("rlflow_aliases", "{}"))
+            state = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {ckpt_dir}: file {rel} cannot be read as safetensors: {err}") from err
+    for alias, target in aliases.items():
+        state[alias] = state[target]
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# resume
+# ---------------------------------------------------------------------------------------------
+
+
+def resume(trainer) -> int:
+    """Restore the run per trainer.resume_mode; returns the first step to run (0: from scratch)."""
+    mode = str(trainer.cfg.trainer.resume_mode)
+    if mode == "disable":
+        return 0
+    if mode == "auto":
+        ckpt = find_latest(checkpoint_root(trainer.run_dir))
+        if ckpt is None:
+            return 0
+    else:
+        ckpt = resolve_checkpoint(mode)
+    return load(trainer, ckpt)
+
+
+def load(trainer, ckpt_dir: str) -> int:
+    """Load a verified checkpoint into a set-up trainer; returns its step."""
+    manifest = verify(ckpt_dir)
+    files = manifest["files"]
+    state = _torch_load(ckpt_dir, TRAINER_STATE)
+    _warn_config_changes(ckpt_dir, trainer.cfg)
+    for role in ROLES:
+        group = trainer.groups.get(role)
+        stored = f"{role}/model.safetensors" in files
+        if group is None:
+            if stored:
+                _warn(f"checkpoint {ckpt_dir} has {role} state but this run has no {role}; it is ignored")
+            continue
+        if not stored:
+            raise CheckpointError(f"checkpoint {ckpt_dir} has no {role} state, but this run trains a {role}")
+        model = _load_model_file(ckpt_dir, f"{role}/model.safetensors")
+        optim = _torch_load(ckpt_dir, f"{role}/optimizer.pt")
+        per_rank = _torch_load(ckpt_dir, f"{role}/rng.pt")["per_rank"]
+        if len(per_rank) != group.world_size:
+            _warn(f"checkpoint {ckpt_dir}: {role} had {len(per_rank)} ranks, this run has {group.world_size}; "
+                  "weights and optimizer load exactly, the extra ranks keep their seeded RNG")
+        payload = {"model": model, "optimizer": optim["optimizer"], "scheduler": optim["scheduler"]}
+        payload = _share(group, payload)
+        futures = group.call_per_rank_async(
+            "load_checkpoint_state", [(payload, per_rank[r] if r < len(per_rank) else None) for r in range(group.world_size)])
+        group.gather(futures, "load_checkpoint_state")
+    trainer.loader.load_state_dict(state["dataloader"])
+    trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    torch.set_rng_state(state["torch_rng"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    trainer.history = list(state["history"])
+    if getattr(trainer, "recorded", None) is not None:
+        trainer.recorded = dict(state.get("recorded") or {})
+    trainer.sync_weights()  # the rollout engine generates with the restored actor
+    step = int(state["step"])
+    print(f"rlflow: resumed from {ckpt_dir} (step {step})", file=sys.stderr)
+    return step
+
+
+def _share(group, payload):
+    """One copy in the object store for all ranks, rather than one per call."""
+    try:
+        from controllers.worker_group import RayWorkerGroup
+    except ImportError:  # pragma: no cover
+        return payload
+    if isinstance(group, RayWorkerGroup):
+        import ray
+
+        return ray.put(payload)
+    return payload
+
+
+# keys whose change makes a resumed run a different run (a warning, since it may be intended)
+_RESUME_SENSITIVE = ("data", "rollout", "algorithm", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.model.path",
+                     "critic.ppo_mini_batch_size", "trainer.seed")
+
+
+def _warn_config_changes(ckpt_dir: str, cfg) -> None:
+    path = os.path.join(ckpt_dir, "run_config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except ValueError:
+        return
+    new = json.loads(json.dumps(_config_dict(cfg), default=str))
+    changed = [key for key in _RESUME_SENSITIVE if _get(old, key) != _get(new, key)]
+    if changed:
+        _warn(f"resuming from {ckpt_dir} with a different config for {', '.join(changed)}: the run will not "
+              "continue exactly as it would have")
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+
+def export_hf(ckpt_dir: str, out_dir: str) -> str:
+    """Write the checkpoint's actor as a HF model folder (AutoModelForCausalLM.from_pretrained)."""
+    from safetensors.torch import save_file
+
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
+    manifest = verify(ckpt_dir)
+    files = manifest["files"]
+    if "actor/model.safetensors" not in files:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no actor weights")
+    if "hf/config.json" not in files:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no hf/config.json: the run's model folder was not recorded")
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise FileExistsError(f"export target {out_dir} exists and is not an empty folder")
+    with open(os.path.join(ckpt_dir, "hf", "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    state = _load_model_file(ckpt_dir, "actor/model.safetensors")
+    tied = bool(config.get("tie_word_embeddings", False))
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        if tied and name == "lm_head.weight":
+            continue  # transformers ties it to the input embedding on load
+        if tensor.untyped_storage().data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        tensors[name] = tensor.contiguous()
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(os.path.abspath(out_dir))}-", dir=parent)
+    try:
+        for rel in sorted(files):
+            if rel.startswith("hf/"):
+                shutil.copyfile(os.path.join(ckpt_dir, rel), os.path.join(tmp, rel[len("hf/"):]))
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb+") as f:
+                os.fsync(f.fileno())
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(tmp, out_dir)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

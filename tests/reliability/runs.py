@@ -1,0 +1,178 @@
+"""Real fits for the reliability tests: config, fault injection, comparisons of runs.
+
+Each fit starts new worker processes: on 2 cores that costs ~7 s for 2 processes and ~25 s for
+the 6 of EXACT, while a step takes under a second. Keep the number of fits down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+
+import torch
+
+from conftest import tiny_overrides
+
+# a reward that varies with the text (a random tiny model never solves the task: all-zero rewards
+# would make the runs' comparison weak)
+_REWARD_SOURCE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(map(ord, solution_str)) % 7) / 3.0 - 1.0
+'''
+
+# FSDP2 actor, DDP critic, dp=2 each; KL in the reward with the adaptive controller (needs the
+# reference); lr warm-up over 3 steps, so the scheduler's position matters at a resume after step 2
+EXACT = {
+    "actor.dp_size": 2,
+    "actor.strategy": "fsdp2",
+    "critic.strategy": "ddp",
+    "actor.ppo_micro_batch_size_per_gpu": 2,
+    "actor.optim.warmup_steps": 3,
+    "critic.optim.warmup_steps": 3,
+    "algorithm.use_kl_in_reward": True,
+    "algorithm.kl_ctrl.type": "adaptive",
+    "algorithm.kl_ctrl.kl_coef": 0.05,
+    "algorithm.kl_ctrl.horizon": 100,
+    "trainer.deterministic": True,
+    "trainer.total_steps": 4,
+    "trainer.project_name": "p",
+    "trainer.experiment_name": "e",
+}
+
+_cache: dict = {}
+
+
+def reward_file() -> str:
+    if "reward" not in _cache:
+        path = os.path.join(tempfile.mkdtemp(prefix="rlflow-reward-"), "reward.py")
+        with open(path, "w") as f:
+            f.write(_REWARD_SOURCE)
+        _cache["reward"] = path
+    return _cache["reward"]
+
+
+def run_dir_of(base: str) -> str:
+    return os.path.join(base, "p", "e")
+
+
+@contextlib.contextmanager
+def fault(spec: str | None):
+    """Set the test-only fault variable in the driver, which forwards it to the workers."""
+    from workers.faults import ENV
+
+    old = os.environ.get(ENV)
+    if spec:
+        os.environ[ENV] = spec
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+
+
+def make_config(model_dir: str, base_dir: str, **overrides):
+    from rlflow import load_config
+
+    values = {**EXACT, "reward.custom_function.path": reward_file(), "trainer.default_local_dir": base_dir, **overrides}
+    return load_config(None, tiny_overrides(model_dir, **values))
+
+
+def fit(model_dir: str, base_dir: str, fault_spec: str | None = None, return_trainer: bool = False, **overrides):
+    """One fit; a new trainer (new worker processes) each time."""
+    from controllers.ppo import PPOTrainer
+
+    trainer = _new_trainer(PPOTrainer, make_config(model_dir, base_dir, **overrides))
+    with fault(fault_spec):
+        history = trainer.fit()
+    return (history, trainer) if return_trainer else history
+
+
+def _new_trainer(cls, cfg):
+    try:
+        return cls(cfg, capture_final_weights=True)
+    except TypeError:  # a PPOTrainer without the hook: final_weights() reads the last checkpoint
+        return cls(cfg)
+
+
+def final_weights(trainer) -> dict:
+    """{"actor": state dict, "critic": ...} at the end of a fit (needs a checkpoint at its last step
+    when the trainer has no capture_final_weights hook)."""
+    captured = getattr(trainer, "final_weights", None)
+    if captured:
+        return captured
+    from controllers.checkpoint import _load_model_file, find_latest
+
+    latest = find_latest(os.path.join(trainer.run_dir, "checkpoints"))
+    assert latest is not None, "no final weights: neither captured nor checkpointed"
+    return {role: _load_model_file(latest, f"{role}/model.safetensors") for role in ("actor", "critic")
+            if os.path.isfile(os.path.join(latest, role, "model.safetensors"))}
+
+
+def metrics(history: list[dict]) -> list[dict]:
+    """Everything but wall-clock timings."""
+    return [{k: v for k, v in h.items() if not k.startswith("timing/")} for h in history]
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys(), (g["step"], sorted(set(g) ^ set(w)))
+        for key in w:
+            same = g[key] == w[key] or (isinstance(w[key], float) and math.isnan(w[key]) and math.isnan(g[key]))
+            assert same, f"step {w['step']} {key}: {g[key]!r} != {w[key]!r}"
+
+
+def assert_same_weights(got: dict | None, want: dict | None) -> None:
+    assert got is not None and want is not None
+    assert got.keys() == want.keys()
+    for role in want:
+        assert got[role].keys() == want[role].keys(), role
+        bad = [name for name in want[role] if not torch.equal(got[role][name], want[role][name])]
+        assert not bad, f"{role}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+def checkpoint_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """Weights and optimizer state of a checkpoint, flattened (for an exact comparison)."""
+    from controllers.checkpoint import _load_model_file
+
+    out = {}
+    for role in ("actor", "critic"):
+        for name, tensor in _load_model_file(ckpt_dir, f"{role}/model.safetensors").items():
+            out[f"{role}/model/{name}"] = tensor
+        optim = torch.load(os.path.join(ckpt_dir, role, "optimizer.pt"), weights_only=True)["optimizer"]
+        for param, slots in optim["state"].items():
+            for slot, tensor in slots.items():
+                out[f"{role}/optim/{param}/{slot}"] = tensor
+    return out
+
+
+def _clocked_trainer_class():
+    from controllers.ppo import PPOTrainer
+
+    class PPOTrainerWithStepClock(PPOTrainer):
+        """Records when each step (1-based) starts, to time how fast a fault is reported."""
+
+        def __init__(self, config):
+            try:
+                super().__init__(config, capture_final_weights=True)
+            except TypeError:
+                super().__init__(config)
+            self.step_started: dict[int, float] = {}
+
+        def train_step(self, step: int) -> dict:
+            import time
+
+            self.step_started[step + 1] = time.monotonic()
+            return super().train_step(step)
+
+    return PPOTrainerWithStepClock
+
+
+def __getattr__(name):
+    if name == "PPOTrainerWithStepClock":
+        return _clocked_trainer_class()
+    raise AttributeError(name)
