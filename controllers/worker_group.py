@@ -43,7 +43,8 @@ class ResourcePool:
         remove_placement_group(self.pg)
 
 
-def get_with_timeout(futures: list, what: list[str], timeout_s: float) -> list:
+def get_with_timeout(futures: list, what: list[str], timeout_s: float,
+                     timeout_key: str = "trainer.remote_timeout_s") -> list:
     """ray.get for several futures; an error or a timeout names which call on which rank.
 
     Returns as soon as any call fails, without waiting for the others: a dead or failed rank
@@ -68,7 +69,7 @@ def get_with_timeout(futures: list, what: list[str], timeout_s: float) -> list:
     if pending:
         late = ", ".join(label_of[f] for f in pending)
         raise WorkerError(
-            f"{late} did not return within trainer.remote_timeout_s={timeout_s:g} s "
+            f"{late} did not return within {timeout_key}={timeout_s:g} s "
             f"(waited {time.monotonic() - start:.1f} s)"
         )
     return [results[f] for f in futures]
@@ -107,6 +108,8 @@ class RayWorkerGroup:
         self.role = role
         self.world_size = world_size
         self.timeout_s = cfg.trainer.remote_timeout_s
+        # spawning processes and loading models legitimately takes longer than one step's call
+        self.startup_timeout_s = max(cfg.trainer.startup_timeout_s, self.timeout_s)
         if world_size > pool.num_bundles:
             raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
         remote_cls = ray.remote(worker_cls)
@@ -125,14 +128,18 @@ class RayWorkerGroup:
                 options["runtime_env"] = {"env_vars": dict(env)}
             self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size))
         # the group picks rank 0's address and a free port on its host
-        master_addr, master_port = self._get([self.workers[0].node_address.remote()], "node_address", ranks=[0])[0]
-        self.call_all("init_distributed", master_addr, master_port)
+        master_addr, master_port = self._get([self.workers[0].node_address.remote()], "node_address", ranks=[0],
+                                             startup=True)[0]
+        self._get(self.call_all_async("init_distributed", master_addr, master_port), "init_distributed", startup=True)
 
     def _labels(self, method: str, ranks) -> list[str]:
         return [f"{self.role} rank {r}: {method}" for r in ranks]
 
-    def _get(self, futures: list, method: str, ranks=None) -> list:
+    def _get(self, futures: list, method: str, ranks=None, startup: bool = False) -> list:
         ranks = list(range(len(futures))) if ranks is None else ranks
+        if startup:
+            return get_with_timeout(futures, self._labels(method, ranks), self.startup_timeout_s,
+                                    "trainer.startup_timeout_s")
         return get_with_timeout(futures, self._labels(method, ranks), self.timeout_s)
 
     def call_all_async(self, method: str, *args, **kwargs) -> list:
@@ -144,8 +151,8 @@ class RayWorkerGroup:
     def call_per_rank_async(self, method: str, per_rank_args: list[tuple]) -> list:
         return [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)]
 
-    def gather(self, futures: list, method: str) -> list:
-        return self._get(futures, method)
+    def gather(self, futures: list, method: str, startup: bool = False) -> list:
+        return self._get(futures, method, startup=startup)
 
     # -- dp dispatch: split rows over ranks, concat results in order -------------------------------
     def dispatch_dp_async(self, method: str, td: TensorDict, *args) -> list:

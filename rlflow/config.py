@@ -194,7 +194,8 @@ class TrainerConfig:
     deterministic: bool = False
     replay_rollouts: str | None = None  # a recorded rollout file to train on instead of generating
     record_rollouts: str | None = None  # write each step's rollout batch here
-    remote_timeout_s: float = 600.0
+    remote_timeout_s: float = 600.0  # every remote call and collective of a step
+    startup_timeout_s: float = 900.0  # spawning workers and loading models (at least remote_timeout_s)
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
     colocate: bool = True  # all roles share one placement group of bundles
     cpus_per_worker: float = 0.5
@@ -406,6 +407,7 @@ def validate_config(cfg: DictConfig) -> None:
     _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
     _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
     _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")
+    _need(trainer.startup_timeout_s > 0, f"trainer.startup_timeout_s must be > 0, got {trainer.startup_timeout_s}")
     _need(trainer.max_to_keep >= 1, f"trainer.max_to_keep must be >= 1, got {trainer.max_to_keep}")
     if trainer.resume_mode not in ("auto", "disable"):
         _need(os.path.isdir(trainer.resume_mode),
