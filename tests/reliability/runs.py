@@ -154,14 +154,28 @@ def _clocked_trainer_class():
     from controllers.ppo import PPOTrainer
 
     class PPOTrainerWithStepClock(PPOTrainer):
-        """Records when each step (1-based) starts, to time how fast a fault is reported."""
+        """Records when each step (1-based) starts, to time how fast a fault is reported.
 
-        def __init__(self, config):
+        step_timeout_s: after setup, the groups' remote-call timeout becomes this (setup itself runs
+        under trainer.remote_timeout_s): a small timeout for the steps without making the start of
+        the worker processes race it on a busy machine.
+        """
+
+        def __init__(self, config, step_timeout_s: float | None = None):
             try:
                 super().__init__(config, capture_final_weights=True)
             except TypeError:
                 super().__init__(config)
             self.step_started: dict[int, float] = {}
+            self.step_timeout_s = step_timeout_s
+            self.setup_timeouts: dict[str, float] = {}
+
+        def setup(self) -> None:
+            super().setup()
+            self.setup_timeouts = {role: group.timeout_s for role, group in self.groups.items()}
+            if self.step_timeout_s is not None:
+                for group in self.groups.values():
+                    group.timeout_s = self.step_timeout_s
 
         def train_step(self, step: int) -> dict:
             import time
