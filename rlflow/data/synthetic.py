@@ -45,6 +45,9 @@ class SyntheticTask:
     #: every character prompts and answers of this task can contain
     alphabet: str
     description: str = ""
+    #: (prompt, answer) -> a plausible wrong answer from a systematic mistake (a "weak
+    #: demonstrator"); the SFT warm start mixes these into its targets (rlflow.tiny)
+    distractor: Callable[[str, str], str] | None = None
 
     def kwargs(self, **overrides) -> dict:
         unknown = set(overrides) - set(self.defaults)
@@ -100,6 +103,14 @@ def _gen_reverse(rng: random.Random, min_len: int, max_len: int) -> tuple[str, s
     return f"{s}>", s[::-1]
 
 
+def _add_without_carry(prompt: str, answer: str) -> str:
+    a, b = prompt.rstrip("=").split("+")
+    n = max(len(a), len(b))
+    a, b = a.zfill(n), b.zfill(n)
+    digits = "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b))
+    return digits.lstrip("0") or "0"
+
+
 def _gen_sort(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
     s = _digits(rng, rng.randint(min_len, max_len))
     return f"{s}:", "".join(sorted(s))
@@ -113,6 +124,7 @@ register_task(
         defaults={"min_digits": 1, "max_digits": 3},
         alphabet="0123456789+=",
         description="a+b= -> the decimal sum",
+        distractor=_add_without_carry,
     )
 )
 register_task(
@@ -123,6 +135,7 @@ register_task(
         defaults={"min_len": 3, "max_len": 8},
         alphabet="0123456789>",
         description="digits> -> the digits reversed",
+        distractor=lambda prompt, answer: prompt[:-1],  # copies instead of reversing
     )
 )
 register_task(
@@ -133,6 +146,7 @@ register_task(
         defaults={"min_len": 3, "max_len": 8},
         alphabet="0123456789:",
         description="digits: -> the digits sorted ascending",
+        distractor=lambda prompt, answer: answer[::-1],  # sorts descending
     )
 )
 
