@@ -69,6 +69,7 @@ SFT_DEFAULTS: dict = {
     "num_rows": 20000,
     "seed": 0,
     "grad_clip": 1.0,
+    "correct_frac": 0.4,
 }
 
 
@@ -188,12 +189,9 @@ def build_tiny_model(out_dir: str | os.PathLike, **model_kwargs) -> str:
     tok = build_tokenizer(out)
     seed = {**MODEL_DEFAULTS, **model_kwargs}["seed"]
     config = _qwen2_config(len(tok), tok.eos_token_id, tok.pad_token_id, **model_kwargs)
-    devnull_state = torch.random.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32)
-    finally:
-        torch.random.set_rng_state(devnull_state)
     model.generation_config = GenerationConfig(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
     )
@@ -207,12 +205,32 @@ def build_tiny_model(out_dir: str | os.PathLike, **model_kwargs) -> str:
 # SFT warm start
 
 
-def _encode_sft_rows(tok, rows):
+def sft_targets(task: str, rows: list[dict], correct_frac: float, seed: int) -> list[str]:
+    """The SFT target of each row: the ground truth with probability ``correct_frac``, else the
+    task's distractor (a systematic mistake), drawn independently per row with ``seed``."""
+    from rlflow.data.synthetic import get_task
+
+    spec = get_task(task)
+    if correct_frac < 1.0 and spec.distractor is None:
+        raise ValueError(f"task {task!r} has no distractor; use correct_frac=1.0")
+    rng = random.Random(seed * 1_000_003 + 17)
+    out = []
+    for row in rows:
+        truth = row["reward_model"]["ground_truth"]
+        if correct_frac >= 1.0 or rng.random() < correct_frac:
+            out.append(truth)
+        else:
+            out.append(spec.distractor(row["prompt"], truth))
+    return out
+
+
+def _encode_sft_rows(tok, rows, targets=None):
     eos = tok.eos_token_id
     examples = []
-    for row in rows:
+    for i, row in enumerate(rows):
+        target = row["reward_model"]["ground_truth"] if targets is None else targets[i]
         p = tok.encode(row["prompt"], add_special_tokens=False)
-        a = tok.encode(row["reward_model"]["ground_truth"], add_special_tokens=False) + [eos]
+        a = tok.encode(target, add_special_tokens=False) + [eos]
         examples.append((p, a))
     return examples
 
@@ -238,7 +256,8 @@ def _run_sft(model, tok, task: str, task_kwargs: dict, sft: dict, log) -> dict:
     from rlflow.data.synthetic import make_synthetic_rows
 
     rows = make_synthetic_rows(task, sft["num_rows"], seed=sft["seed"], split="train", **task_kwargs)
-    examples = _encode_sft_rows(tok, rows)
+    targets = sft_targets(task, rows, sft["correct_frac"], sft["seed"])
+    examples = _encode_sft_rows(tok, rows, targets)
     gen = torch.Generator().manual_seed(sft["seed"])
     opt = torch.optim.AdamW(
         model.parameters(), lr=sft["lr"], weight_decay=sft["weight_decay"], betas=(0.9, 0.98)
@@ -264,7 +283,7 @@ def _run_sft(model, tok, task: str, task_kwargs: dict, sft: dict, log) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), sft["grad_clip"])
         opt.step()
         sched.step()
-        last = float(out.loss)
+        last = float(out.loss.detach())
         if log and (step + 1) % max(1, steps // 5) == 0:
             log(f"[rlflow] warm start {task}: step {step + 1}/{steps} loss {last:.4f} "
                 f"({time.time() - t0:.0f}s)")
@@ -333,14 +352,9 @@ def warm_start(
         build_tiny_model(tmp, **mkw)
         tok = AutoTokenizer.from_pretrained(str(tmp))
         lm = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
-        rng_state = torch.random.get_rng_state()
-        py_state = random.getstate()
-        try:
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sft["seed"])
             info = _run_sft(lm, tok, task, tkw, sft, log)
-        finally:
-            torch.random.set_rng_state(rng_state)
-            random.setstate(py_state)
         lm.save_pretrained(str(tmp), safe_serialization=True)
         meta = {
             "code_version": CODE_VERSION,
@@ -389,14 +403,12 @@ def evaluate_exact_match(
 
     hits = 0.0
     tok.padding_side = "left"
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
             enc = tok([r["prompt"] for r in chunk], return_tensors="pt", padding=True,
                       add_special_tokens=False)
-            if do_sample:
-                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -132,7 +132,7 @@ register_task(
         name="reverse",
         ability="string",
         generate=_gen_reverse,
-        defaults={"min_len": 3, "max_len": 8},
+        defaults={"min_len": 3, "max_len": 6},
         alphabet="0123456789>",
         description="digits> -> the digits reversed",
         distractor=lambda prompt, answer: prompt[:-1],  # copies instead of reversing
@@ -150,7 +150,11 @@ register_task(
     )
 )
 
-DEFAULT_TASK = "add"
+#: The default run's task. Reverse is learnt by a tiny model in a few hundred SFT steps, so the warm
+#: start can execute both the right strategy and its distractor (copying) well; RL then has to
+#: pick the rewarded one. Addition with carries is far from learnt in that budget (measured: 3%
+#: greedy exact match after 600 steps), which leaves RL nothing to sharpen.
+DEFAULT_TASK = "reverse"
 
 
 def _split_of(task: str, prompt: str) -> str:
