@@ -51,7 +51,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     # used when train_files is empty: the embedded synthetic task
-    synthetic_task: str = "add"
+    synthetic_task: str = "reverse"
     synthetic_train_size: int = 4096
     synthetic_val_size: int = 128
     prompt_key: str = "prompt"
