@@ -158,7 +158,10 @@ def compute_value_loss(
         global_batch_size=global_batch_size,
         loss_scale_factor=loss_scale_factor,
     )
-    vf_clipfrac = masked_mean((clipped_sq_err > unclipped_sq_err).to(vpreds.dtype), response_mask)
+    # a token counts as clipped only when the clip moved it: values + clamp(vpreds - values) can round
+    # one ulp away from vpreds inside the range, which made the fraction depend on the split
+    clipped = (clipped_sq_err > unclipped_sq_err) & ((vpreds - values).abs() > cliprange_value)
+    vf_clipfrac = masked_mean(clipped.to(vpreds.dtype), response_mask)
     return vf_loss, vf_clipfrac.detach()
 
 
