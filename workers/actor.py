@@ -93,10 +93,6 @@ class ActorWorker(LogProbMixin, TrainableWorker):
             metrics["actor/kl_loss"] = loss_metric(kl_loss.item(), dp, has_meta)
         return loss, metrics
 
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights for the rollout engine (rank 0; every rank must call under FSDP2)."""
-        return self.full_state_dict(self.model)
-
 
 class ReferenceWorker(LogProbMixin, WorkerBase):
     role = "reference"

@@ -144,8 +144,9 @@ class WorkerBase:
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU (on rank 0; a collective under FSDP2)."""
-        module = model.module if hasattr(model, "module") and not hasattr(model, "config") else model
-        if self.distributed and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        module = model.module if is_ddp else model
+        if self.distributed and not is_ddp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

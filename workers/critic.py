@@ -57,10 +57,6 @@ class CriticWorker(TrainableWorker):
     def seen_meta(self):
         return self.last_seen_meta
 
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights (rank 0; every rank must call under FSDP2), like ActorWorker.get_weights."""
-        return self.full_state_dict(self.model)
-
     def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
         critic = self.cfg.critic
         has_meta = "batch_num_tokens" in loss_kwargs

@@ -122,6 +122,10 @@ class TrainableWorker(WorkerBase):
         self.scheduler.step()
         return per_minibatch
 
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights (rank 0; every rank must call under FSDP2): rollout sync, tests."""
+        return self.full_state_dict(self.model)
+
     # -- checkpoint state -------------------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:
         """Full (unsharded) model and optimizer state on rank 0, every rank's RNG states.
