@@ -180,8 +180,8 @@ class RayConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 20
-    test_freq: int = 5
+    total_steps: int = 40
+    test_freq: int = 10
     val_before_train: bool = True
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     project_name: str = "rlflow"
