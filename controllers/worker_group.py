@@ -105,6 +105,9 @@ class RayWorkerGroup:
 
     def __init__(self, worker_cls, role: str, world_size: int, cfg, pool: ResourcePool,
                  num_cpus: float, num_gpus: float = 0.0, env: dict | None = None):
+        from workers.wire import install as install_tensor_wire
+
+        install_tensor_wire()  # batches the driver sends cross Ray as numpy buffers (workers/wire.py)
         self.role = role
         self.world_size = world_size
         self.timeout_s = cfg.trainer.remote_timeout_s
