@@ -297,9 +297,12 @@ class PPOTrainer:
             batch, extras = self._next_rollout(step, timer)
             batch = batch.select(*ROLLOUT_KEYS, "group_index", "token_level_scores", *(k for k in ("acc",) if k in batch.keys()))
             model_batch = batch.select(*ROLLOUT_KEYS)
+            on_policy = self.update_is_on_policy(batch.batch_size[0])
             # independent forwards, dispatched together
             with timer("forward"):
-                futures = {"old_log_probs": self.groups["actor"].dispatch_dp_async("compute_log_prob", model_batch)}
+                futures = {}
+                if not on_policy:
+                    futures["old_log_probs"] = self.groups["actor"].dispatch_dp_async("compute_log_prob", model_batch)
                 if "reference" in self.groups:
                     futures["ref_log_prob"] = self.groups["reference"].dispatch_dp_async("compute_ref_log_prob", model_batch)
                 if "critic" in self.groups:
@@ -310,7 +313,7 @@ class PPOTrainer:
             with timer("adv"):
                 self._apply_kl_and_advantages(batch, metrics)
             with timer("update"):
-                metrics.update(self._update(batch, step))
+                metrics.update(self._update(batch, step, on_policy))
             with timer("sync"):
                 self.sync_weights()
         metrics.update(self._batch_metrics(batch, extras))
@@ -368,8 +371,20 @@ class PPOTrainer:
                     per_rank[rank].append(shard)
         return per_rank
 
-    def _update(self, batch: TensorDict, step: int) -> dict:
-        actor_keys = ROLLOUT_KEYS + ("old_log_probs", "advantages") + (("ref_log_prob",) if self.cfg.actor.use_kl_loss else ())
+    def update_is_on_policy(self, num_rows: int) -> bool:
+        """True when this step's actor update is one optimizer step on the rollout's own policy.
+
+        Then the old log-probs are the actor's current ones (the rollout was synced from it), so
+        their forward is skipped and the actor uses its update forward's log-probs, detached.
+        KL in the reward needs them on the driver, so it keeps the forward.
+        """
+        actor = self.cfg.actor
+        return (actor.skip_old_log_prob_when_on_policy and actor.ppo_epochs == 1
+                and num_rows <= actor.ppo_mini_batch_size and not self.cfg.algorithm.use_kl_in_reward)
+
+    def _update(self, batch: TensorDict, step: int, on_policy: bool) -> dict:
+        actor_keys = (ROLLOUT_KEYS + ("advantages",) + (() if on_policy else ("old_log_probs",))
+                      + (("ref_log_prob",) if self.cfg.actor.use_kl_loss else ()))
         pending = {}
         pending["actor"] = self.groups["actor"].call_per_rank_async(
             "update", [(shards,) for shards in self.plan_minibatches(batch.select(*actor_keys), "actor", step)])

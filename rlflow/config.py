@@ -91,6 +91,10 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
     log_prob_micro_batch_size_per_gpu: int = 64
+    # One on-policy optimizer step per rollout (ppo_epochs=1, one mini-batch, no KL in the reward):
+    # the old log-probs equal the current ones, so their forward is skipped and the update uses its
+    # own log-probs, detached (ratio exactly 1; what TRL does with num_iterations=1)
+    skip_old_log_prob_when_on_policy: bool = True
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 

@@ -244,8 +244,11 @@ class BareLoop:
                     mask = b["response_mask"][micro]
                     if role == "actor":
                         a = self.cfg.actor
+                        log_probs = self._log_probs(b, micro)
+                        # on-policy (rlflow's skip_old_log_prob_when_on_policy): the update's own, detached
+                        old = b["old_log_probs"][micro] if "old_log_probs" in b else log_probs.detach()
                         loss = compute_policy_loss_vanilla(
-                            b["old_log_probs"][micro], self._log_probs(b, micro), b["advantages"][micro], mask,
+                            old, log_probs, b["advantages"][micro], mask,
                             a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                             clip_ratio_c=a.clip_ratio_c, **glob)[0]
                     else:
@@ -277,9 +280,13 @@ class BareLoop:
         t3 = time.perf_counter()
         t["reward"] = t3 - t2
         rows_n = b["responses"].shape[0]
+        a = cfg.actor
+        on_policy = (a.skip_old_log_prob_when_on_policy and a.ppo_epochs == 1 and rows_n <= a.ppo_mini_batch_size
+                     and not cfg.algorithm.use_kl_in_reward)  # as PPOTrainer.update_is_on_policy
         with torch.no_grad():
             self.actor.eval()
-            b["old_log_probs"] = torch.cat([self._log_probs(b, i) for i in self._chunks(rows_n, cfg.actor.log_prob_micro_batch_size_per_gpu)])
+            if not on_policy:
+                b["old_log_probs"] = torch.cat([self._log_probs(b, i) for i in self._chunks(rows_n, a.log_prob_micro_batch_size_per_gpu)])
             t4 = time.perf_counter()
             t["old_log_prob"] = t4 - t3
             if self.critic is not None:

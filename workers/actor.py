@@ -8,6 +8,7 @@ from tensordict import TensorDict
 from rlflow.algos import agg_loss, compute_entropy_loss, get_policy_loss_fn, kl_penalty, masked_mean
 from rlflow.metrics import Metric, loss_metric, token_mean_metric
 from rlflow.protocol import plan_micro_batches
+from workers import faults
 from workers.base import WorkerBase
 from workers.forward import response_log_probs
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
@@ -59,7 +60,15 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         return sum(p.numel() for p in model.parameters())
 
     def compute_log_prob(self, td: TensorDict) -> TensorDict:
+        faults.check(self.role, self.rank, "compute_log_prob")  # test-only hook
         return self._log_prob_shard(td, self.cfg.actor.log_prob_micro_batch_size_per_gpu, "old_log_probs")
+
+    def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
+        # without old log-probs the update is on-policy only if it is the step's one optimizer step
+        if len(shards) != 1 and any("old_log_probs" not in shard.keys() for shard in shards):
+            raise ValueError(f"actor rank {self.rank}: {len(shards)} mini-batches without old_log_probs; "
+                             "only a single on-policy mini-batch may omit them")
+        return super().update(shards)
 
     def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
         actor = self.cfg.actor
@@ -67,8 +76,10 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         mask = micro["response_mask"]
         use_entropy = actor.entropy_coeff != 0
         log_prob, entropy = response_log_probs(self.model, micro, self.cfg.rollout.temperature, with_entropy=True)
+        # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
+        old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro.keys() else log_prob.detach()
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self.policy_loss_fn(
-            micro["old_log_probs"], log_prob, micro["advantages"], mask, actor.loss_agg_mode,
+            old_log_prob, log_prob, micro["advantages"], mask, actor.loss_agg_mode,
             clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c, **loss_kwargs,
         )
