@@ -14,8 +14,10 @@ os.environ.setdefault("RLFLOW_WORKER_THREADS", "1")
 def ray_session():
     import ray
 
+    from controllers.cluster import local_ray_options
+
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(**local_ray_options(num_cpus=8, log_to_driver=False))  # as rlflow starts a local Ray
     yield ray
     ray.shutdown()
 
