@@ -196,6 +196,34 @@ class PPOTrainer:
         for role, futures in inits.items():
             self.groups[role].gather(futures, "init", startup=True)
         self.num_params = self.groups["actor"].gather(self.groups["actor"].call_all_async("ping"), "ping")
+        self.weight_sync = self._setup_weight_sync()
+
+    def _setup_weight_sync(self) -> str:
+        """shared_memory where every rollout worker shares actor rank 0's node, else object_store."""
+        if "rollout" not in self.groups:
+            return "none"
+        mode = self.cfg.rollout.weight_sync
+        if mode == "object_store":
+            return mode
+        from controllers.worker_group import WorkerError
+
+        actor, rollout = self.groups["actor"], self.groups["rollout"]
+        actor_node = actor.gather([actor.workers[0].node_id.remote()], "node_id", startup=True)[0]
+        rollout_nodes = set(rollout.gather(rollout.call_all_async("node_id"), "node_id", startup=True))
+        try:
+            if rollout_nodes != {actor_node}:
+                raise WorkerError("some rollout workers are on another node than actor rank 0")
+            layout = actor.gather(actor.call_all_async("open_weight_share"), "open_weight_share", startup=True)[0]
+            try:
+                rollout.gather(rollout.call_all_async("attach_weight_share", layout), "attach_weight_share", startup=True)
+            finally:
+                actor.gather([actor.workers[0].unlink_weight_share.remote()], "unlink_weight_share", startup=True)
+        except WorkerError as err:
+            if mode == "shared_memory":
+                raise WorkerError(f"rollout.weight_sync=shared_memory cannot be used: {err}") from err
+            print(f"[rlflow] weight sync through Ray's object store (shared memory unavailable: {err})", flush=True)
+            return "object_store"
+        return "shared_memory"
 
     def needs_rollout(self) -> bool:
         """Replaying recorded rollouts without validation generates nothing: no rollout group."""
@@ -407,6 +435,13 @@ class PPOTrainer:
         if "rollout" not in self.groups:
             return
         actor = self.groups["actor"]
+        if self.weight_sync == "shared_memory":
+            published = actor.call_all_async("publish_weights")  # a collective under FSDP2
+            # Ray starts each load once rank 0's publish has returned: one wait on the driver
+            loads = self.groups["rollout"].call_all_async("load_shared_weights", published[0])
+            actor.gather(published, "publish_weights")
+            self.groups["rollout"].gather(loads, "load_shared_weights")
+            return
         weights = actor.call_all_async("get_weights")  # a collective under FSDP2: every rank calls
         # rank 0's object goes straight from the actor to the rollout workers, not via the driver
         loads = self.groups["rollout"].call_all_async("load_weights", weights[0])

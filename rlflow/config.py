@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES  # torch-only
 
 ROLLOUT_NAMES = ("hf", "vllm", "auto")
+WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 STRATEGIES = ("fsdp2", "ddp")
 NAN_POLICIES = ("abort", "skip")
@@ -141,6 +142,9 @@ class RolloutConfig:
     dtype: str = "float32"
     gpu_memory_utilization: float = 0.1
     enforce_eager: bool = True
+    # actor -> rollout weights: shared_memory (a /dev/shm file, same node only), object_store (Ray),
+    # auto (shared_memory when every rollout worker is on actor rank 0's node and it works there)
+    weight_sync: str = "auto"
 
 
 @dataclass
@@ -401,6 +405,8 @@ def validate_config(cfg: DictConfig) -> None:
           f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is not one of fixed, adaptive")
     _need(rollout.name in ROLLOUT_NAMES, f"rollout.name={rollout.name!r} is not one of {', '.join(ROLLOUT_NAMES)}")
     _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
+    _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
+          f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
     _need(data.train_batch_size % rollout.dp_size == 0,
           f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
     _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")

@@ -50,6 +50,7 @@ def test_yaml_then_overrides(tmp_path):
         (["algorithm.adv_estimator=grpo", "rollout.n=1", "actor.ppo_mini_batch_size=32"], r"rollout\.n must be >= 2"),
         (["actor.policy_loss=nope"], r"actor\.policy_loss='nope'"),
         (["rollout.name=sglang"], r"rollout\.name='sglang'"),
+        (["rollout.weight_sync=nccl"], r"rollout\.weight_sync='nccl' is not one of auto, shared_memory, object_store"),
         (["trainer.logger=[console,neptune]"], r"trainer\.logger: unknown logger 'neptune'"),
         (["trainer.resume_mode=/no/such/dir"], r"trainer\.resume_mode='/no/such/dir'"),
         (["actor.optim"], r"not of the form key=value"),

@@ -44,6 +44,11 @@ def test_ppo_dp2_actor_and_critic_receive_driver_metadata(ray_session, tiny_mode
                 assert meta.dp_size == 2 and meta.global_batch_size <= cfg.actor.ppo_mini_batch_size
                 assert meta.loss_scale_factor == cfg.data.max_response_length
             expected.clear()
+        # FSDP2's gathered weights reached the rollout engine through the shared-memory file
+        assert trainer.weight_sync == "shared_memory"
+        actor_weights = trainer.groups["actor"].call_all("get_weights")[0]
+        rollout_weights = trainer.groups["rollout"].call_all("engine_state_dict")[0]
+        assert all(torch.equal(tensor, rollout_weights[name]) for name, tensor in actor_weights.items())
     finally:
         trainer.shutdown()
 
@@ -62,12 +67,22 @@ def test_grpo_starts_no_critic(ray_session, tiny_model_dir, tmp_path):
         trainer.shutdown()
 
 
-def test_weight_sync_changes_rollout_outputs(ray_session, tiny_model_dir, tmp_path):
+def _weight_share_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("rlflow-weights-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("mode", ["shared_memory", "object_store"])
+def test_weight_sync_changes_rollout_outputs(ray_session, tiny_model_dir, tmp_path, mode):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"actor.optim.lr": 0.05, "actor.grad_clip": 100.0,
+                                                             "rollout.weight_sync": mode,
                                                              "trainer.default_local_dir": str(tmp_path)}))
+    files_before = _weight_share_files()
     trainer = PPOTrainer(cfg)
     trainer.setup()
     try:
+        assert trainer.weight_sync == mode
+        # the shared file is unlinked once mapped: nothing is left in /dev/shm, even if a worker dies
+        assert _weight_share_files() == files_before
         from rlflow.data.dataset import collate
 
         probe = collate(list(trainer.val_dataset)[:4], trainer.val_dataset.pad_token_id).select(

@@ -135,6 +135,11 @@ class WorkerBase:
     def ping(self) -> int:
         return self.rank
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

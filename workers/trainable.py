@@ -18,6 +18,7 @@ from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import BatchMeta, get_meta, split_micro_batches
 from workers import faults
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
+from workers.weight_share import SHM_DIR, MappedWeights, WeightLayout, create_share, layout_of, new_share_path
 
 MICRO_PLAN_KEY = "num_micro_batches"
 
@@ -125,6 +126,39 @@ class TrainableWorker(WorkerBase):
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full weights (rank 0; every rank must call under FSDP2): rollout sync, tests."""
         return self.full_state_dict(self.model)
+
+    # -- rollout sync through a shared-memory file (workers/weight_share.py) ------------------------
+    def _weights_to_publish(self) -> dict[str, torch.Tensor]:
+        # a single rank writes its live tensors straight into the file; FSDP2 gathers (collective)
+        if self.distributed:
+            return self.full_state_dict(self.model)
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def open_weight_share(self) -> WeightLayout | None:
+        """Rank 0 creates and fills the file and returns its layout (every rank calls: a collective)."""
+        state = self._weights_to_publish()
+        if self.rank != 0:
+            return None
+        path = new_share_path()
+        if path is None:
+            raise OSError(f"{self.role} rank 0: no writable {SHM_DIR} for the weight share")
+        layout = layout_of(state, path)
+        create_share(layout)
+        self._weight_share = MappedWeights(layout)
+        self._weight_share.write(state)
+        return layout
+
+    def unlink_weight_share(self) -> None:
+        """Once every reader has mapped the file, its name can go: nothing is left on disk."""
+        if self.rank == 0 and os.path.exists(self._weight_share.layout.path):
+            os.unlink(self._weight_share.layout.path)
+
+    def publish_weights(self) -> bool:
+        """Write the current weights into the shared file (every rank calls under FSDP2)."""
+        state = self._weights_to_publish()
+        if self.rank == 0:
+            self._weight_share.write(state)
+        return True
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:

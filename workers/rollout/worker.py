@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from workers.base import WorkerBase
+from workers.weight_share import MappedWeights, WeightLayout
 
 
 def vllm_available() -> bool:
@@ -65,6 +66,13 @@ class RolloutWorker(WorkerBase):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(state_dict)
+
+    def attach_weight_share(self, layout: WeightLayout) -> None:
+        self._weight_share = MappedWeights(layout)
+
+    def load_shared_weights(self, published: bool) -> None:
+        """Load what the actor published (`published` is its call's result: Ray runs this after it)."""
+        self.engine.load_weights(self._weight_share.views)  # the engine copies out of the views
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The HF engine's current weights (to check a sync landed); vLLM keeps its own copy."""
