@@ -54,6 +54,9 @@ LAYOUTS = {
     # FSDP2 over gloo moves the whole model ~3x per micro-batch: one micro-batch per rank here
     "dp2": {"actor.dp_size": 2, "actor.ppo_micro_batch_size_per_gpu": MINI // 2},
     "dp2-dyn": {"actor.dp_size": 2, "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": TOKEN_BUDGET},
+    # DDP accumulates 2 micro-batches per rank without communication and all-reduces once (no_sync)
+    "dp2-ddp-mb2": {"actor.dp_size": 2, "actor.strategy": "ddp", "critic.strategy": "ddp",
+                    "actor.ppo_micro_batch_size_per_gpu": 2},
 }
 # (critic settings are inherited from the actor's: dp_size, micro-batch size, dynamic bsz, ...)
 
@@ -72,6 +75,7 @@ FITS = {
     "F4/dp2-dyn": ("F4", "dp2-dyn", {}),
     "F5/whole": ("F5", "whole", {}),
     "F5/mb2": ("F5", "mb2", {}),
+    "F5/dp2-ddp-mb2": ("F5", "dp2-ddp-mb2", {}),
 }
 # layouts that must be equivalent (within tolerance)
 PAIRS = [
@@ -80,6 +84,7 @@ PAIRS = [
     ("F2/whole", "F2/dyn"),  # token budget vs fixed
     ("F3/whole", "F3/dp2"),  # dp=2 (FSDP2, whole per-rank shard) vs dp=1
     ("F4/whole", "F4/dp2-dyn"),  # dp=2 with token budget vs dp=1 fixed
+    ("F5/whole", "F5/dp2-ddp-mb2"),  # dp=2 DDP, 2 micro-batches per rank reduced once vs dp=1 whole
 ]
 
 _REPORT: list[str] = []
@@ -193,6 +198,7 @@ def test_layouts_ran_as_configured(fits):
 
     assert micro("F1/whole") == [1.0] * 3 and micro("F1/mb1") == [8.0] * 3 and micro("F5/mb2") == [4.0] * 3
     assert micro("F3/dp2") == [1.0] * 3  # 4 rows per rank in one micro-batch
+    assert micro("F5/dp2-ddp-mb2") == [2.0] * 3  # 4 rows per rank in 2 micro-batches: no_sync engaged
     assert all(n >= 2 for n in micro("F2/dyn")) and all(n >= 2 for n in micro("F4/dp2-dyn"))
 
 

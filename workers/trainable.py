@@ -8,6 +8,7 @@ gradient, one optimizer step. The worker never all-reduces to find batch sizes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -90,10 +91,11 @@ class TrainableWorker(WorkerBase):
             micros, _ = split_micro_batches(shard, **self._plan_kwargs(shard))
             records: list[dict[str, Metric]] = []
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in micros:
+            for index, micro in enumerate(micros):
                 num_tokens = int(micro["response_mask"].sum().item())
-                loss, metrics = self.micro_loss(micro, loss_kwargs, num_tokens)
-                loss.backward()
+                with self._gradient_sync(last=index == len(micros) - 1):
+                    loss, metrics = self.micro_loss(micro, loss_kwargs, num_tokens)
+                    loss.backward()
                 records.append(metrics)
             # the norm of the whole accumulated gradient (all micro-batches, all ranks)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), section.grad_clip)
@@ -122,6 +124,15 @@ class TrainableWorker(WorkerBase):
             per_minibatch.append(records)
         self.scheduler.step()
         return per_minibatch
+
+    def _gradient_sync(self, last: bool):
+        """DDP all-reduces the whole gradient on every backward: accumulate the micro-batches
+        locally and all-reduce once, on the last (the sum is the same, one reduction instead of K).
+        Every rank runs the same number of micro-batches (the driver's plan), so the reductions
+        line up. FSDP2 keeps reducing per micro-batch: skipping it would hold unsharded gradients."""
+        if last or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full weights (rank 0; every rank must call under FSDP2): rollout sync, tests."""
