@@ -334,3 +334,33 @@ def test_ppo_three_steps_with_vllm_rollout(ray_session, tiny_model_dir, tmp_path
     for row in history:
         assert torch.isfinite(torch.tensor([row["actor/pg_loss"], row["critic/vf_loss"]])).all()
         assert row["response/length_mean"] > 0
+
+
+def test_shared_memory_sync_reaches_the_vllm_engine(ray_session, tiny_model_dir, tmp_path):
+    """After updates synced through the /dev/shm file, vLLM samples with the trained actor's weights."""
+    from conftest import tiny_overrides
+    from controllers.ppo import PPOTrainer
+    from rlflow import load_config
+    from rlflow.data.dataset import collate
+
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+        "rollout.name": "vllm", "rollout.weight_sync": "shared_memory", "actor.optim.lr": 0.05,
+        "actor.grad_clip": 100.0, "trainer.default_local_dir": str(tmp_path)}))
+    trainer = PPOTrainer(cfg)
+    trainer.setup()
+    try:
+        assert trainer.weight_sync == "shared_memory"
+        for step in range(2):
+            trainer.train_step(step)
+        prompts = collate(list(trainer.val_dataset)[:4], trainer.val_dataset.pad_token_id).select(
+            "input_ids", "attention_mask", "position_ids")
+        out = trainer.groups["rollout"].dispatch_dp("generate", prompts, 2, True, 11, True)
+        actor = trainer.groups["actor"].dispatch_dp("compute_log_prob", out.select(
+            "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids"))
+        mask = out["response_mask"]
+        assert _max_diff(out["rollout_log_probs"], actor["old_log_probs"], mask) < TOL
+        # and not the initial weights' (the updates moved them): the sync is what made them agree
+        initial = _hf_log_probs(_hf_model(tiny_model_dir), out, cfg.rollout.temperature)
+        assert _max_diff(out["rollout_log_probs"], initial, mask) > 1e-2
+    finally:
+        trainer.shutdown()
