@@ -325,10 +325,10 @@ class BareLoop:
 # 2. rlflow, with every worker method timed inside the worker process
 
 _TIMED_METHODS = {
-    "actor": ("compute_log_prob", "update", "get_weights"),
+    "actor": ("compute_log_prob", "update", "get_weights", "publish_weights"),
     "critic": ("compute_values", "update"),
     "reference": ("compute_ref_log_prob",),
-    "rollout": ("generate", "load_weights"),
+    "rollout": ("generate", "load_weights", "load_shared_weights"),
 }
 
 
@@ -400,7 +400,9 @@ class RLFlowRun:
             "adv": metrics.get("timing/adv", 0.0),
             "update_actor": w.get("actor.update", 0.0),
             "update_critic": w.get("critic.update", 0.0),
-            "sync": w.get("actor.get_weights", 0.0) + w.get("rollout.load_weights", 0.0),
+            # object-store sync: get_weights + load_weights; shared-memory sync: publish + load
+            "sync": sum(w.get(k, 0.0) for k in ("actor.get_weights", "rollout.load_weights", "actor.publish_weights",
+                                                 "rollout.load_shared_weights")),
             "phase_forward": metrics.get("timing/forward", 0.0),
             "phase_update": metrics.get("timing/update", 0.0),
             "phase_sync": metrics.get("timing/sync", 0.0),
@@ -476,6 +478,18 @@ class TRLRun:
 # running and reporting
 
 
+def start_variants(specs: list[str], base_overrides: list[str]) -> dict:
+    """One more rlflow run per --variant, named rlflow[<overrides>], on top of the row's overrides."""
+    runs = {}
+    for spec in specs:
+        runs[f"rlflow[{spec}]"] = RLFlowRun(base_overrides + [kv for kv in spec.split(",") if kv])
+    return runs
+
+
+def rlflow_names(records: dict) -> list[str]:
+    return [name for name in records if name.startswith("rlflow")]
+
+
 def med(records: list[dict], key: str) -> float:
     vals = [r[key] for r in records if key in r]
     return statistics.median(vals) if vals else float("nan")
@@ -528,6 +542,9 @@ def main() -> int:
                    help="OMP_WAIT_POLICY of the bare loop and of TRL (PASSIVE | ACTIVE | default = unset)")
     p.add_argument("--extra", action="append", default=[], help="extra rlflow override key=value (all rlflow runs)")
     p.add_argument("--only", choices=("ppo", "grpo"), default=None, help="run only the PPO rows or only the GRPO row")
+    p.add_argument("--variant", action="append", default=[],
+                   help="an extra rlflow run, interleaved with the others in the x1 PPO and the GRPO rows: "
+                        "comma-separated overrides, e.g. rollout.dp_size=2 (repeatable)")
     p.add_argument("--quick", action="store_true", help="--steps 5 --warmup 1 --scales 1 --no-trl")
     p.add_argument("--json", default=None, help="also write all measurements here")
     args = p.parse_args()
@@ -560,8 +577,9 @@ def main() -> int:
         from rlflow import load_config
 
         t = time.perf_counter()
+        # logical CPUs for every trainer that is alive at once (variants); thread counts come from the cores
         ensure_ray(load_config(None, ppo_overrides(model_dir, args.batch, args.n, args.prompt_len, args.response_len,
-                                                    args.mini, args.micro, extra)))
+                                                    args.mini, args.micro, {**extra, "ray.num_cpus": 64})))
         results["ray_start_s"] = time.perf_counter() - t
         log(f"ray start {results['ray_start_s']:.1f}s")
 
@@ -571,12 +589,16 @@ def main() -> int:
             mark = load.mark()
             ov = ppo_overrides(model_dir, batch, args.n, args.prompt_len, args.response_len, args.mini, args.micro, extra)
             rl = RLFlowRun(ov)
-            bare = BareLoop(rl.trainer.cfg, model_dir, rl.trainer.train_dataset)
+            runs = {"bare": BareLoop(rl.trainer.cfg, model_dir, rl.trainer.train_dataset), "rlflow": rl}
             log(f"PPO x{scale} ({batch} prompts x {args.n}): rlflow worker start {rl.setup_s:.1f}s")
             try:
-                rec = run_interleaved({"bare": bare, "rlflow": rl}, args.warmup, args.steps, log)
+                if scale == 1:
+                    runs.update(start_variants(args.variant, ov))
+                rec = run_interleaved(runs, args.warmup, args.steps, log)
             finally:
-                rl.shutdown()
+                for run in runs.values():
+                    if isinstance(run, RLFlowRun):
+                        run.shutdown()
             results["rows"].append({"algo": "ppo", "scale": scale, "prompts": batch, "sequences": batch * args.n,
                                     "worker_start_s": rl.setup_s, "load": load.summary(mark), "records": rec})
 
@@ -610,11 +632,15 @@ def main() -> int:
                 log(f"TRL start {trl.setup_s:.1f}s {trl.versions}")
                 runs["trl"] = trl
             runs["rlflow"] = rl
+            runs.update(start_variants(args.variant, ov))
             runs["bare"] = BareLoop(rl.trainer.cfg, model_dir, rl.trainer.train_dataset)
             log(f"GRPO ({args.batch} prompts x {args.n}): rlflow worker start {rl.setup_s:.1f}s")
             rec = run_interleaved(runs, args.warmup, args.steps, log)
         finally:
             rl.shutdown()
+            for run in runs.values():
+                if isinstance(run, RLFlowRun) and run is not rl:
+                    run.shutdown()
             if trl is not None:
                 trl.shutdown()
         results["rows"].append({"algo": "grpo", "scale": 1, "prompts": args.batch, "sequences": seqs,
@@ -649,16 +675,18 @@ def report(results: dict, args) -> str:
     add(f"model {results['model']}; Ray start {results['ray_start_s']:.1f} s (once, not in any step)")
     add("")
     add("## seconds/step")
-    add("| algo | batch (prompts x n) | bare s/step | rlflow s/step | TRL s/step | rlflow/bare | rlflow/TRL | "
-        "rlflow resp tok/s | worker start s | load avg |")
-    add("|---|---|---|---|---|---|---|---|---|---|")
+    add("| algo | batch (prompts x n) | rlflow run | bare s/step | rlflow s/step | TRL s/step | rlflow/bare | rlflow/TRL | "
+        "resp tok/s bare / rlflow / TRL | worker start s | load avg |")
+    add("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["rows"]:
         r = row["records"]
-        b, f = med(r.get("bare", []), "step"), med(r.get("rlflow", []), "step")
-        tr = med(r.get("trl", []), "step")
-        add(f"| {row['algo']} | x{row['scale']} ({row['prompts']}x{args.n}={row['sequences']}) | {fmt(b)} | {fmt(f)} | "
-            f"{fmt(tr)} | {fmt(f / b, 2)} | {fmt(f / tr, 2)} | {fmt(tokens_per_s(r.get('rlflow', [])), 0)} | "
-            f"{row['worker_start_s']:.1f} | {row['load'].split(': ', 1)[1]} |")
+        b, tr = med(r.get("bare", []), "step"), med(r.get("trl", []), "step")
+        for name in rlflow_names(r):
+            f = med(r[name], "step")
+            tok = " / ".join(fmt(tokens_per_s(r.get(k, [])), 0) for k in ("bare", name, "trl"))
+            add(f"| {row['algo']} | x{row['scale']} ({row['prompts']}x{args.n}={row['sequences']}) | "
+                f"{'default' if name == 'rlflow' else name[7:-1]} | {fmt(b)} | {fmt(f)} | {fmt(tr)} | {fmt(f / b, 2)} | "
+                f"{fmt(f / tr, 2)} | {tok} | {row['worker_start_s']:.1f} | {row['load'].split(': ', 1)[1]} |")
     for row in results["rows"]:
         if row.get("trl_note"):
             add(f"\n{row['trl_note']}")
@@ -690,7 +718,7 @@ def report(results: dict, args) -> str:
     add("| run | " + " | ".join(phases) + " | overhead | step |")
     add("|---|" + "---|" * (len(phases) + 2))
     for row in results["rows"]:
-        for name in ("bare", "rlflow"):
+        for name in ["bare"] + rlflow_names(row["records"]):
             recs = row["records"].get(name)
             if not recs:
                 continue
