@@ -53,8 +53,6 @@ def test_a_second_mapping_reads_what_the_first_wrote(layout):
     state["embed.weight"] = state["embed.weight"] * 2
     writer.write(state)
     assert torch.equal(reader.views["embed.weight"], state["embed.weight"])
-    writer.close()
-    reader.close()
 
 
 def test_the_mapping_outlives_the_name(layout):

@@ -73,7 +73,10 @@ def create_share(layout: WeightLayout) -> None:
 
 
 class MappedWeights:
-    """A process's mapping of the shared file, with a tensor view per state-dict entry."""
+    """A process's mapping of the shared file, with a tensor view per state-dict entry.
+
+    A worker keeps its mapping for its whole life: the views export the mmap's buffer, and the
+    mapping goes with the process."""
 
     def __init__(self, layout: WeightLayout):
         self.layout = layout
@@ -99,10 +102,3 @@ class MappedWeights:
                     raise ValueError(f"weight share: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                      f"the shared layout says {tuple(view.shape)} {view.dtype}")
                 view.copy_(tensor)
-
-    def close(self) -> None:
-        self.views = {}
-        try:
-            self._mmap.close()
-        except BufferError:  # a view is still referenced somewhere: the mapping goes with the process
-            pass
