@@ -486,6 +486,12 @@ def start_variants(specs: list[str], base_overrides: list[str]) -> dict:
     return runs
 
 
+def shutdown_rlflow_runs(runs: dict) -> None:
+    for run in runs.values():
+        if isinstance(run, RLFlowRun):
+            run.shutdown()
+
+
 def rlflow_names(records: dict) -> list[str]:
     return [name for name in records if name.startswith("rlflow")]
 
@@ -596,9 +602,7 @@ def main() -> int:
                     runs.update(start_variants(args.variant, ov))
                 rec = run_interleaved(runs, args.warmup, args.steps, log)
             finally:
-                for run in runs.values():
-                    if isinstance(run, RLFlowRun):
-                        run.shutdown()
+                shutdown_rlflow_runs(runs)
             results["rows"].append({"algo": "ppo", "scale": scale, "prompts": batch, "sequences": batch * args.n,
                                     "worker_start_s": rl.setup_s, "load": load.summary(mark), "records": rec})
 
@@ -637,10 +641,7 @@ def main() -> int:
             log(f"GRPO ({args.batch} prompts x {args.n}): rlflow worker start {rl.setup_s:.1f}s")
             rec = run_interleaved(runs, args.warmup, args.steps, log)
         finally:
-            rl.shutdown()
-            for run in runs.values():
-                if isinstance(run, RLFlowRun) and run is not rl:
-                    run.shutdown()
+            shutdown_rlflow_runs({**runs, "rlflow": rl})  # rl is not in runs yet if TRL failed to start
             if trl is not None:
                 trl.shutdown()
         results["rows"].append({"algo": "grpo", "scale": 1, "prompts": args.batch, "sequences": seqs,
