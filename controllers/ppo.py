@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from rlflow.algos import get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
 from rlflow.config import RLFlowConfig, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
-from rlflow.protocol import attach_meta, compute_batch_meta, num_bins_for_token_budget, row_token_counts, split_dp
+from rlflow.protocol import MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num_bins_for_token_budget, row_token_counts, split_dp
 
 # what the console prints each step (every metric goes to the other trackers)
 CONSOLE_KEYS = (
@@ -83,9 +83,31 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def default_worker_classes() -> dict[str, type]:
+    """The worker class of each role."""
+    from workers.actor import ActorWorker, ReferenceWorker
+    from workers.critic import CriticWorker
+    from workers.rollout.worker import RolloutWorker
+
+    return {"actor": ActorWorker, "critic": CriticWorker, "reference": ReferenceWorker, "rollout": RolloutWorker}
+
+
+def resolve_worker_classes(overrides: dict[str, type] | None) -> dict[str, type]:
+    """The defaults, with a subclass per role where the caller passes one (custom or test workers)."""
+    classes = default_worker_classes()
+    for role, cls in (overrides or {}).items():
+        if role not in classes:
+            raise ValueError(f"worker_classes: unknown role {role!r}; roles: {', '.join(classes)}")
+        if not (isinstance(cls, type) and issubclass(cls, classes[role])):
+            raise TypeError(f"worker_classes[{role!r}] must be a subclass of {classes[role].__name__}, got {cls!r}")
+        classes[role] = cls
+    return classes
+
+
 class PPOTrainer:
-    def __init__(self, config, capture_final_weights: bool = False):
+    def __init__(self, config, capture_final_weights: bool = False, worker_classes: dict[str, type] | None = None):
         self.cfg: RLFlowConfig = to_dataclass(config)
+        self.worker_classes = resolve_worker_classes(worker_classes)
         self.history: list[dict] = []
         # tests: after fit, self.final_weights = {"actor": full state dict, "critic": ...}
         self.capture_final_weights = capture_final_weights
@@ -148,18 +170,16 @@ class PPOTrainer:
 
     def _setup_workers(self) -> None:
         from controllers.worker_group import RayWorkerGroup, ResourcePool
-        from workers.actor import ActorWorker, ReferenceWorker
-        from workers.critic import CriticWorker
-        from workers.rollout.worker import RolloutWorker
 
         cfg = self.cfg
-        roles = {"actor": (ActorWorker, cfg.actor.dp_size)}
+        classes = self.worker_classes
+        roles = {"actor": (classes["actor"], cfg.actor.dp_size)}
         if self.needs_rollout():
-            roles["rollout"] = (RolloutWorker, cfg.rollout.dp_size)
+            roles["rollout"] = (classes["rollout"], cfg.rollout.dp_size)
         if cfg.critic.enable:
-            roles["critic"] = (CriticWorker, cfg.critic.dp_size)
+            roles["critic"] = (classes["critic"], cfg.critic.dp_size)
         if cfg.reference.enable:
-            roles["reference"] = (ReferenceWorker, 1)
+            roles["reference"] = (classes["reference"], 1)
         use_gpu = _cluster_gpus() > 0
         per_worker = cfg.trainer.cpus_per_worker
         env = dict(_worker_env())
@@ -395,7 +415,7 @@ class PPOTrainer:
                 for rank, shard in enumerate(shards):
                     attach_meta(shard, meta)
                     if num_micro is not None:
-                        shard.set_non_tensor("num_micro_batches", num_micro)
+                        shard.set_non_tensor(MICRO_PLAN_KEY, num_micro)
                     per_rank[rank].append(shard)
         return per_rank
 
@@ -529,13 +549,15 @@ class PPOTrainer:
 
 
 class RLFlow:
-    """The Python API: `RLFlow(config).fit()` returns the per-step metrics history."""
+    """The Python API: `RLFlow(config).fit()` returns the per-step metrics history.
 
-    def __init__(self, config=None):
+    worker_classes: {role: subclass of that role's worker} to run custom workers."""
+
+    def __init__(self, config=None, worker_classes: dict[str, type] | None = None):
         from rlflow.config import load_config
 
         self.config = load_config() if config is None else config
-        self.trainer = PPOTrainer(self.config)
+        self.trainer = PPOTrainer(self.config, worker_classes=worker_classes)
 
     def fit(self) -> list[dict]:
         return self.trainer.fit()
@@ -560,7 +582,7 @@ def _cluster_gpus() -> float:
 
 
 def _worker_env() -> dict:
-    keep = ("RLFLOW_TEST_LOCAL_NORMALISATION", "RLFLOW_TEST_FAULT", "RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    keep = ("RLFLOW_TEST_FAULT", "RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     # OpenMP threads that spin while waiting burn the cores the other colocated workers (and any
     # other load) need: measured on a 2-core machine, a worker's forward/backward ran 10-35x

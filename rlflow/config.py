@@ -23,6 +23,7 @@ WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 STRATEGIES = ("fsdp2", "ddp")
 NAN_POLICIES = ("abort", "skip")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class OptimConfig:
+    # adamw | sgd (plain SGD, no momentum: the update is -lr * gradient, so a K-times gradient
+    # error is a K-times parameter change; Adam's per-element normalisation hides a uniform scale)
+    name: str = "adamw"
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -187,6 +191,17 @@ class RayConfig:
 
 
 @dataclass
+class GradProbeConfig:
+    """A diagnostic, off by default: per optimizer step each trainable worker reports the norm of
+    every parameter tensor's gradient and `num_projections` fixed random projections <g, r_k> of
+    the whole gradient, after the data-parallel reduction and before clipping (workers/probes.py)."""
+
+    enable: bool = False
+    num_projections: int = 4
+    seed: int = 0
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 40
     test_freq: int = 10
@@ -207,6 +222,7 @@ class TrainerConfig:
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
     colocate: bool = True  # all roles share one placement group of bundles
     cpus_per_worker: float = 0.5
+    grad_probes: GradProbeConfig = field(default_factory=GradProbeConfig)
 
 
 @dataclass
@@ -422,7 +438,11 @@ def validate_config(cfg: DictConfig) -> None:
     if trainer.resume_mode not in ("auto", "disable"):
         _need(os.path.isdir(trainer.resume_mode),
               f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")
+    _need(trainer.grad_probes.num_projections >= 0,
+          f"trainer.grad_probes.num_projections must be >= 0, got {trainer.grad_probes.num_projections}")
     for opt_role in ("actor", "critic"):
+        name = cfg[opt_role].optim.name
+        _need(name in OPTIMIZERS, f"{opt_role}.optim.name={name!r} is not one of {', '.join(OPTIMIZERS)}")
         sched = cfg[opt_role].optim.lr_scheduler
         _need(sched in ("constant", "cosine"), f"{opt_role}.optim.lr_scheduler={sched!r} is not one of constant, cosine")
     if trainer.replay_rollouts is not None:

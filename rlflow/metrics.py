@@ -19,6 +19,8 @@ class Aggregation(str, Enum):
     SUM = "sum"
     MIN = "min"
     MAX = "max"
+    # sqrt(sum(value^2)): a norm whose parts are disjoint pieces (dp shards of one gradient tensor)
+    L2 = "l2"
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ def reduce_metrics(records: Iterable[Mapping[str, Metric]]) -> dict[str, float]:
             reduced[name] = min(values)
         elif kind is Aggregation.MAX:
             reduced[name] = max(values)
+        elif kind is Aggregation.L2:
+            reduced[name] = math.sqrt(math.fsum(v * v for v in values))
         else:
             total_weight = math.fsum(m.weight for m in metrics)
             if total_weight == 0:

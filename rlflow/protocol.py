@@ -13,6 +13,9 @@ import torch
 from tensordict import TensorDict
 
 META_KEY = "batch_meta"
+# with a token budget, the micro-batch count the driver asks every dp rank to run (so FSDP's
+# collectives line up), stored on each shard
+MICRO_PLAN_KEY = "num_micro_batches"
 
 
 @dataclass(frozen=True)

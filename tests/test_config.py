@@ -54,6 +54,8 @@ def test_yaml_then_overrides(tmp_path):
         (["trainer.logger=[console,neptune]"], r"trainer\.logger: unknown logger 'neptune'"),
         (["trainer.resume_mode=/no/such/dir"], r"trainer\.resume_mode='/no/such/dir'"),
         (["actor.optim"], r"not of the form key=value"),
+        (["critic.optim.name=lion"], r"critic\.optim\.name='lion' is not one of adamw, sgd"),
+        (["trainer.grad_probes.num_projections=-1"], r"trainer\.grad_probes\.num_projections must be >= 0"),
         (["actor=3"], r"'actor'.*is a section"),
     ],
 )

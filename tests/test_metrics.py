@@ -13,6 +13,13 @@ def test_each_aggregation():
     assert reduce_metrics(records) == {"s": 3.5, "mn": -1.0, "mx": 7.0}
 
 
+def test_l2_is_the_norm_of_the_concatenated_shards():
+    # a gradient tensor [3, 4, 12] cut into dp shards [3, 4] and [12] (and an empty one): each shard
+    # reports its own norm; the reduction is the norm of the whole tensor
+    records = [{"g": Metric(5.0, Aggregation.L2)}, {"g": Metric(12.0, Aggregation.L2)}, {"g": Metric(0.0, Aggregation.L2)}]
+    assert reduce_metrics(records)["g"] == 13.0
+
+
 def test_token_weighted_mean_is_the_exact_token_mean():
     # micro-batch A: 3 tokens with clip indicator mean 1/3; B: 1 token with mean 1.0 -> 2/4 overall
     records = [{"clip": token_mean_metric(1 / 3, 3)}, {"clip": token_mean_metric(1.0, 1)}]

@@ -16,16 +16,11 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.metrics import Aggregation, Metric
-from rlflow.protocol import BatchMeta, get_meta, split_micro_batches
+from rlflow.protocol import MICRO_PLAN_KEY, BatchMeta, get_meta, split_micro_batches
 from workers import faults
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
+from workers.probes import gradient_probes
 from workers.weight_share import SHM_DIR, MappedWeights, WeightLayout, create_share, layout_of, new_share_path
-
-MICRO_PLAN_KEY = "num_micro_batches"
-
-# Test-only: drop the global metadata so every micro-batch normalises by itself (the bug this
-# project prevents). Read from the environment so it can never come from a user config.
-_LOCAL_NORM_ENV = "RLFLOW_TEST_LOCAL_NORMALISATION"
 
 
 class NonFiniteError(RuntimeError):
@@ -33,6 +28,8 @@ class NonFiniteError(RuntimeError):
 
 
 def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
+    if optim_cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
     return torch.optim.AdamW(
         params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay
     )
@@ -52,6 +49,17 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def micro_batch_plan(section, shard: TensorDict) -> dict:
+    """How a rank cuts its shard of a mini-batch into micro-batches (plan_micro_batches' kwargs):
+    a fixed size, or the token budget with the count the driver asks every rank to run."""
+    if section.use_dynamic_bsz:
+        plan = {"max_token_len": section.ppo_max_token_len_per_gpu}
+        if MICRO_PLAN_KEY in shard.keys():
+            plan["num_micro_batches"] = int(shard.get_non_tensor(MICRO_PLAN_KEY))
+        return plan
+    return {"micro_batch_size": section.ppo_micro_batch_size_per_gpu}
+
+
 class TrainableWorker(WorkerBase):
     """Subclasses set self.model / self.optimizer / self.scheduler and implement micro_loss."""
 
@@ -63,32 +71,24 @@ class TrainableWorker(WorkerBase):
     def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
         raise NotImplementedError
 
-    def _loss_kwargs(self, meta: BatchMeta | None) -> tuple[dict, bool]:
-        if meta is None or os.environ.get(_LOCAL_NORM_ENV) == "1":
-            return {"dp_size": 1, "loss_scale_factor": self.section_cfg().loss_scale_factor}, False
+    def _loss_kwargs(self, meta: BatchMeta | None) -> dict:
+        if meta is None:
+            return {"dp_size": 1, "loss_scale_factor": self.section_cfg().loss_scale_factor}
         if meta.dp_size != self.world_size:
             raise ValueError(f"{self.role} rank {self.rank}: BatchMeta.dp_size={meta.dp_size} but this group has {self.world_size} ranks")
-        return meta.loss_kwargs(), True
-
-    def _plan_kwargs(self, shard: TensorDict) -> dict:
-        section = self.section_cfg()
-        if section.use_dynamic_bsz:
-            plan = {"max_token_len": section.ppo_max_token_len_per_gpu}
-            if MICRO_PLAN_KEY in shard.keys():
-                plan["num_micro_batches"] = int(shard.get_non_tensor(MICRO_PLAN_KEY))
-            return plan
-        return {"micro_batch_size": section.ppo_micro_batch_size_per_gpu}
+        return meta.loss_kwargs()
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
         shards = faults.poison(shards, faults.check(self.role, self.rank, "update"))  # test-only hook
         self.model.train()
         section = self.section_cfg()
+        probes = self.cfg.trainer.grad_probes
         per_minibatch = []
-        for shard in shards:
+        for minibatch_index, shard in enumerate(shards):
             shard = shard.to(self.device)
-            loss_kwargs, has_meta = self._loss_kwargs(get_meta(shard))
-            micros, _ = split_micro_batches(shard, **self._plan_kwargs(shard))
+            loss_kwargs = self._loss_kwargs(get_meta(shard))
+            micros, _ = split_micro_batches(shard, **micro_batch_plan(section, shard))
             records: list[dict[str, Metric]] = []
             self.optimizer.zero_grad(set_to_none=True)
             for index, micro in enumerate(micros):
@@ -97,6 +97,9 @@ class TrainableWorker(WorkerBase):
                     loss, metrics = self.micro_loss(micro, loss_kwargs, num_tokens)
                     loss.backward()
                 records.append(metrics)
+            if probes.enable:  # the reduced gradient, before clipping changes it
+                records.append(gradient_probes(self.model, f"{self.section}/grad_probe/mb{minibatch_index}",
+                                               self.rank, probes.num_projections, probes.seed))
             # the norm of the whole accumulated gradient (all micro-batches, all ranks)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), section.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
