@@ -12,14 +12,27 @@ import torch
 
 from conftest import tiny_overrides
 
-# the per-step metrics whose values must not depend on the layout
+# the per-step metrics whose values must not depend on the layout; every one must be logged by
+# both runs of a pair (a missing metric fails the comparison, it is never skipped)
 COMPARED_METRICS = (
-    "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/entropy_loss", "actor/pg_clipfrac",
+    "actor/pg_loss", "actor/entropy", "actor/entropy_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
     "actor/ppo_kl", "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean",
     "critic/grad_norm",
 )
-PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6
+KL_METRICS = ("actor/kl_loss",)  # families with actor.use_kl_loss
 METRIC_RTOL, METRIC_ATOL = 1e-4, 1e-6
+# Parameters: the difference of two fits, per tensor, in units of that tensor's whole movement
+# during the fit (max |final - initial|), plus a few float32 ulps of the weight itself. Relative to
+# the weight (the old rule) a tensor near 1 (RMSNorm) got a tolerance larger than its movement.
+# AdamW steps each element by about lr whatever its gradient's size, so rounding noise in a nearly
+# zero gradient element moves it as far as a real gradient would: its parameters are weak evidence
+# (the gradient probes carry it) and get a looser fraction than SGD's, whose update is -lr * g.
+PARAM_RTOL = {"adamw": 5e-2, "sgd": 1e-3}
+PARAM_ULPS = 4
+# Gradient probes: per-tensor gradient norms relative to themselves, projections <g, r_k> relative
+# to the norm of the whole gradient of that optimizer step (E|<g, r>| = |g| for Gaussian r)
+PROBE_RTOL = 1e-4
+FP32_EPS = torch.finfo(torch.float32).eps
 
 EOS_SHIFT, EOS_LOGIT_GAIN = 0.3, 1.5  # measured: sampled lengths 1..6 spread fairly evenly
 
@@ -65,17 +78,16 @@ BASE = {
     "actor.entropy_coeff": 0.01,
     "actor.grad_clip": 1e6,  # off unless a case sets it
     "critic.grad_clip": 1e6,
-    # default Adam (eps 1e-8). Its per-element normalisation m/(sqrt(v)+eps) turns float-rounding
-    # noise in gradient elements that are nearly zero (e.g. k_proj.bias along slowly rotating RoPE
-    # dimensions) into parameter differences proportional to lr; measured, worst pair, as a
-    # fraction of the parameter tolerance: lr 1e-4 -> 1.4, 3e-5 -> 0.92, 1e-5 -> 1.04 (token-sum),
-    # 3e-6 -> 0.32. So a realistic RL lr (verl's defaults: actor 1e-6, critic 1e-5) for both
+    # AdamW families: its per-element normalisation m/(sqrt(v)+eps) turns float-rounding noise in
+    # gradient elements that are nearly zero into parameter differences proportional to lr, so a
+    # realistic RL lr (verl's defaults: actor 1e-6, critic 1e-5). SGD families set their own.
     "actor.optim.lr": 3e-6,
     "critic.optim.lr": 3e-6,
     "algorithm.adv_estimator": "gae",
     "trainer.total_steps": 3,
     "trainer.deterministic": True,
     "trainer.logger": "[jsonl]",
+    "trainer.grad_probes.enable": True,
     "reward.custom_function.name": "exactness_score",
 }
 
@@ -83,115 +95,163 @@ BASE = {
 @dataclass
 class FitResult:
     history: list[dict]
-    weights: dict[str, dict[str, torch.Tensor]]
+    weights: dict[str, dict[str, torch.Tensor]]  # final, per role
+    initial: dict[str, dict[str, torch.Tensor]]  # what each role started from
+    optimizer: str  # actor.optim.name (both roles use the same in the matrix)
     seconds: float
     record_path: str | None = None
 
+    def steps(self) -> list[dict]:
+        return [h for h in self.history if "actor/pg_loss" in h]
 
-def run_fit(model_dir: str, out_dir: str, env: dict | None = None, **overrides) -> FitResult:
-    """One real fit (Ray workers, gloo) with the final actor and critic weights captured."""
+
+def run_fit(model_dir: str, out_dir: str, workers: dict | None = None, **overrides) -> FitResult:
+    """One real fit (Ray workers, gloo) with the initial and final actor and critic weights."""
+    import ray.cloudpickle
+
+    import exactness_workers
     from controllers.ppo import PPOTrainer
     from rlflow import load_config
 
+    ray.cloudpickle.register_pickle_by_value(exactness_workers)  # the Ray workers cannot import tests/
     settings = dict(BASE)
     settings["reward.custom_function.path"] = os.path.abspath(__file__)
     settings["trainer.default_local_dir"] = out_dir
     settings.update(overrides)
     cfg = load_config(None, tiny_overrides(model_dir, **settings))
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        start = time.perf_counter()
-        trainer = PPOTrainer(cfg, capture_final_weights=True)
-        history = trainer.fit()
-        seconds = time.perf_counter() - start
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    start = time.perf_counter()
+    trainer = PPOTrainer(cfg, capture_final_weights=True, worker_classes=workers or exactness_workers.RECORDING)
+    history = trainer.fit()
+    seconds = time.perf_counter() - start
     assert trainer.final_weights and set(trainer.final_weights) == {"actor", "critic"}
-    return FitResult(history, trainer.final_weights, seconds)
+    initial = {role: torch.load(exactness_workers.initial_weights_path(out_dir, role), weights_only=True)
+               for role in trainer.final_weights}
+    return FitResult(history, trainer.final_weights, initial, cfg.actor.optim.name, seconds)
 
 
 # ------------------------------------------------------------------------------ comparisons
 
 
-def _excess(diff: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
-    """diff in units of the tolerance (<= 1 passes); a zero tolerance means bitwise equality."""
-    zero = torch.zeros_like(diff)
-    return torch.where(tol > 0, diff / torch.where(tol > 0, tol, torch.ones_like(tol)),
-                       torch.where(diff > 0, torch.full_like(diff, math.inf), zero))
+def required_metrics(family: dict) -> tuple[str, ...]:
+    return COMPARED_METRICS + (KL_METRICS if family.get("actor.use_kl_loss") else ())
+
+
+def probe_names(step: dict) -> list[str]:
+    return sorted(name for name in step if "/grad_probe/" in name)
+
+
+def _probe_scale(step: dict, name: str) -> float:
+    """What a probe's tolerance is relative to: itself for a norm, the whole gradient's norm for a
+    projection (sqrt of the sum of the squared tensor norms of that role and optimizer step)."""
+    if "/norm/" in name:
+        return abs(float(step[name]))
+    prefix = name.rsplit("/", 1)[0] + "/norm/"
+    return math.sqrt(math.fsum(float(v) ** 2 for k, v in step.items() if k.startswith(prefix)))
 
 
 @dataclass
 class Diff:
-    """The worst differences between two fits."""
+    """The worst differences between two fits, each also as a fraction of its tolerance."""
 
-    param_abs: float = 0.0  # max |a - b| over all parameters of both models
+    param_abs: float = 0.0
     param_where: str = ""
-    param_excess: float = 0.0  # max |a-b| / (atol + rtol*|b|): <= 1 passes
-    metric_abs: float = 0.0
+    param_excess: float = 0.0  # max |a-b| / tolerance over every parameter element: <= 1 passes
+    probe_excess: float = 0.0
+    probe_where: str = ""
     metric_rel: float = 0.0  # max |a-b| / |b| among metric values with |b| > 1e-3
-    metric_where: str = ""
     metric_excess: float = 0.0
+    metric_where: str = ""
+    num_probes: int = 0
     failures: list[str] = field(default_factory=list)
 
     def line(self) -> str:
-        return (f"params max|d|={self.param_abs:.3g} ({self.param_where}; {self.param_excess:.3f} of tol)  "
-                f"metrics max|d|={self.metric_abs:.3g} max rel={self.metric_rel:.3g} "
-                f"({self.metric_where}; {self.metric_excess:.3f} of tol)")
+        return (f"params {self.param_excess:.3f} of tol (max|d|={self.param_abs:.3g} {self.param_where}); "
+                f"probes {self.probe_excess:.3f} of tol ({self.num_probes} compared; {self.probe_where}); "
+                f"metrics {self.metric_excess:.3f} of tol (max rel {self.metric_rel:.3g}; {self.metric_where})")
 
 
-def compare_fits(a: FitResult, b: FitResult, metrics=COMPARED_METRICS,
-                 rtol: float = PARAM_RTOL, atol: float = PARAM_ATOL,
-                 metric_rtol: float = METRIC_RTOL, metric_atol: float = METRIC_ATOL) -> Diff:
-    diff = Diff()
+def _compare_value(diff: Diff, where: str, x: float, y: float, tol: float, kind: str) -> None:
+    if not (math.isfinite(x) and math.isfinite(y)):
+        diff.failures.append(f"{where}: not finite ({x}, {y})")
+        return
+    d = abs(x - y)
+    excess = d / tol if tol > 0 else (math.inf if d > 0 else 0.0)
+    if kind == "probe":
+        if excess >= diff.probe_excess:
+            diff.probe_excess, diff.probe_where = excess, f"{where} {x:.6g} vs {y:.6g}"
+    else:
+        if abs(y) > 1e-3:
+            diff.metric_rel = max(diff.metric_rel, d / abs(y))
+        if excess >= diff.metric_excess:
+            diff.metric_excess, diff.metric_where = excess, f"{where} {x:.6g} vs {y:.6g}"
+    if excess > 1:
+        diff.failures.append(f"{where}: {x!r} vs {y!r} (|d|={d:.3g}, {excess:.3g} of tol)")
+
+
+def compare_params(diff: Diff, a: FitResult, b: FitResult, rtol: float | None) -> None:
+    """Per tensor: |a - b| <= rtol * max|b_final - initial| + PARAM_ULPS ulps of |b| (rtol 0:
+    bitwise). Both fits must start from the same weights."""
     for role in ("actor", "critic"):
-        wa, wb = a.weights[role], b.weights[role]
-        if set(wa) != set(wb):
-            diff.failures.append(f"{role}: different parameter names {sorted(set(wa) ^ set(wb))[:5]}")
+        wa, wb, w0 = a.weights[role], b.weights[role], b.initial[role]
+        if not (set(wa) == set(wb) == set(w0) == set(a.initial[role])):
+            diff.failures.append(f"{role}: different parameter names")
             continue
-        for name in wa:
+        for name in wb:
+            if not torch.equal(a.initial[role][name], w0[name]):
+                diff.failures.append(f"{role}.{name}: the two fits started from different weights")
             x, y = wa[name].double(), wb[name].double()
             d = (x - y).abs()
-            worst = float(d.max()) if d.numel() else 0.0
-            excess = float(_excess(d, atol + rtol * y.abs()).max()) if d.numel() else 0.0
+            if not d.numel():
+                continue
+            worst = float(d.max())
+            if rtol == 0:
+                excess = math.inf if worst > 0 else 0.0
+            else:
+                movement = float((y - w0[name].double()).abs().max())
+                tol = rtol * movement + PARAM_ULPS * FP32_EPS * y.abs()
+                excess = float((d / tol.clamp(min=1e-30)).max())
             if worst > diff.param_abs:
-                diff.param_abs = worst
-                diff.param_where = f"{role}.{name}"
+                diff.param_abs, diff.param_where = worst, f"{role}.{name}"
             diff.param_excess = max(diff.param_excess, excess)
             if excess > 1:
-                diff.failures.append(f"{role}.{name}: max |d|={worst:.3g} exceeds rtol={rtol}/atol={atol}")
-    steps_a = [h for h in a.history if "actor/pg_loss" in h]
-    steps_b = [h for h in b.history if "actor/pg_loss" in h]
-    if len(steps_a) != len(steps_b) or len(steps_a) < 3:
-        diff.failures.append(f"step counts {len(steps_a)} vs {len(steps_b)} (3+ expected)")
-    for required in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
-        if required in metrics and not all(required in h for h in steps_a + steps_b):
-            diff.failures.append(f"{required} missing from a step's metrics")
+                diff.failures.append(f"{role}.{name}: max |d|={worst:.3g} is {excess:.3g} of its tolerance")
+
+
+def compare_fits(a: FitResult, b: FitResult, metrics=COMPARED_METRICS, param_rtol: float | None = None,
+                 probe_rtol: float = PROBE_RTOL, metric_rtol: float = METRIC_RTOL,
+                 metric_atol: float = METRIC_ATOL, probes: bool = True, params: bool = True,
+                 bitwise: bool = False) -> Diff:
+    """Parameters, gradient probes (every one both runs logged) and `metrics` (each required in
+    every step of both runs). bitwise: every tolerance is 0."""
+    if bitwise:
+        param_rtol, probe_rtol, metric_rtol, metric_atol = 0.0, 0.0, 0.0, 0.0
+    diff = Diff()
+    if params:
+        compare_params(diff, a, b, PARAM_RTOL[b.optimizer] if param_rtol is None else param_rtol)
+    steps_a, steps_b = a.steps(), b.steps()
+    if len(steps_a) != len(steps_b) or not steps_b:
+        diff.failures.append(f"step counts {len(steps_a)} vs {len(steps_b)}")
     for ha, hb in zip(steps_a, steps_b):
         for name in metrics:
             if name not in ha or name not in hb:
-                if (name in ha) != (name in hb):
-                    diff.failures.append(f"step {ha['step']}: {name} logged by only one run")
+                diff.failures.append(f"step {hb['step']}: {name} missing (a: {name in ha}, b: {name in hb})")
                 continue
-            x, y = float(ha[name]), float(hb[name])
-            if not (math.isfinite(x) and math.isfinite(y)):
-                diff.failures.append(f"step {ha['step']}: {name} not finite ({x}, {y})")
-                continue
-            d = abs(x - y)
-            excess = float(_excess(torch.tensor(d), torch.tensor(metric_atol + metric_rtol * abs(y))))
-            if abs(y) > 1e-3:
-                diff.metric_rel = max(diff.metric_rel, d / abs(y))
-            if d > diff.metric_abs:
-                diff.metric_abs = d
-            if excess > diff.metric_excess:
-                diff.metric_excess = excess
-                diff.metric_where = f"step {ha['step']} {name} {x:.6g} vs {y:.6g}"
-            if excess > 1:
-                diff.failures.append(f"step {ha['step']}: {name} {x!r} vs {y!r} (|d|={d:.3g})")
+            y = float(hb[name])
+            _compare_value(diff, f"step {hb['step']} {name}", float(ha[name]), y, metric_atol + metric_rtol * abs(y), "metric")
+        if not probes:
+            continue
+        names_a, names_b = probe_names(ha), probe_names(hb)
+        if names_a != names_b:
+            diff.failures.append(f"step {hb['step']}: probe names differ ({sorted(set(names_a) ^ set(names_b))[:4]})")
+        for role in ("actor", "critic"):
+            if not any(n.startswith(f"{role}/") for n in names_b):
+                diff.failures.append(f"step {hb['step']}: no {role} gradient probes")
+        for name in names_b:
+            if name in ha:
+                y = float(hb[name])
+                diff.num_probes += 1
+                _compare_value(diff, f"step {hb['step']} {name}", float(ha[name]), y,
+                               probe_rtol * _probe_scale(hb, name), "probe")
     return diff
 
 
