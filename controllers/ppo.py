@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tensordict import TensorDict
 
-from rlflow.algos import get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
+from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
 from rlflow.config import RLFlowConfig, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
 from rlflow.protocol import MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num_bins_for_token_budget, row_token_counts, split_dp
@@ -315,6 +315,13 @@ class PPOTrainer:
         with timer("reward"):
             scores, extras = self._score(batch, {k: [v for v in vals for _ in range(n)] for k, vals in rows.items()})
         batch["token_level_scores"] = scores
+        if "reward_baselines" in estimator_inputs(cfg.algorithm.adv_estimator):
+            # ReMax's baseline: the score of each prompt's greedy response, shared by its n samples
+            with timer("gen"):
+                greedy = self.groups["rollout"].dispatch_dp("generate", prompts, 1, False, self._sampling_seed(step))
+            with timer("reward"):
+                greedy_scores, _ = self._score(greedy, rows)
+            batch["reward_baselines"] = greedy_scores.sum(-1).repeat_interleave(n)
         if "acc" in extras:
             batch["acc"] = torch.tensor(extras["acc"], dtype=torch.float32)
         if cfg.trainer.record_rollouts:
@@ -343,7 +350,8 @@ class PPOTrainer:
         timer = Timer()
         with timer("step"):
             batch, extras = self._next_rollout(step, timer)
-            batch = batch.select(*ROLLOUT_KEYS, "group_index", "token_level_scores", *(k for k in ("acc",) if k in batch.keys()))
+            batch = batch.select(*ROLLOUT_KEYS, "group_index", "token_level_scores",
+                                 *(k for k in ("acc", "reward_baselines") if k in batch.keys()))
             model_batch = batch.select(*ROLLOUT_KEYS)
             on_policy = self.update_is_on_policy(batch.batch_size[0])
             # independent forwards, dispatched together
@@ -385,8 +393,13 @@ class PPOTrainer:
             token_level_rewards=rewards, response_mask=mask, gamma=algo.gamma, lam=algo.lam,
             index=batch["group_index"], norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         )
-        if "values" in batch.keys():
-            inputs["values"] = batch["values"]
+        for key in ("values", "reward_baselines"):
+            if key in batch.keys():
+                inputs[key] = batch[key]
+        missing = [name for name in estimator_inputs(algo.adv_estimator) if name not in inputs]
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} needs {missing}, which this batch lacks "
+                             "(a replayed rollout recorded with another estimator?)")
         advantages, returns = fn(**inputs)
         batch["advantages"], batch["returns"] = advantages, returns
 

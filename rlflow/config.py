@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf  # noqa: F401
 from omegaconf.errors import OmegaConfBaseException
 
-from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES  # torch-only
+from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, POLICY_LOSSES  # torch-only
 
 ROLLOUT_NAMES = ("hf", "vllm", "auto")
 WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
@@ -105,7 +105,7 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    enable: bool | None = None  # None: on for adv_estimator=gae only
+    enable: bool | None = None  # None: on for the estimators that need values (rlflow.algos.NEEDS_CRITIC: gae)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" -> actor's
     strategy: str = "fsdp2"
     dp_size: int | None = None  # None -> actor's
@@ -357,7 +357,7 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
     if not critic.model.path:
         critic.model.path = actor.model.path
     if critic.enable is None:
-        critic.enable = cfg.algorithm.adv_estimator == "gae"
+        critic.enable = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     if cfg.reference.enable is None:
         cfg.reference.enable = bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
     validate_config(cfg)
@@ -406,8 +406,9 @@ def validate_config(cfg: DictConfig) -> None:
         _check_batch_algebra("critic", cfg.critic, sequences_per_step, cfg)
     _need(algo.adv_estimator in ADV_ESTIMATORS,
           f"algorithm.adv_estimator={algo.adv_estimator!r} is not one of {', '.join(sorted(ADV_ESTIMATORS))}")
-    if algo.adv_estimator == "gae":
-        _need(bool(cfg.critic.enable), "algorithm.adv_estimator=gae needs a critic: set critic.enable=true (or leave it unset)")
+    if algo.adv_estimator in NEEDS_CRITIC:
+        _need(bool(cfg.critic.enable), f"algorithm.adv_estimator={algo.adv_estimator} needs a critic: "
+                                       "set critic.enable=true (or leave it unset)")
     if algo.adv_estimator in ("grpo", "rloo"):
         _need(rollout.n >= 2, f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group: "
                               f"rollout.n must be >= 2, got {rollout.n}")

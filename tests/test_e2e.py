@@ -152,3 +152,28 @@ def test_kl_in_reward_keeps_the_old_log_prob_forward(tiny_model_dir):
         "algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": 16}))).update_is_on_policy(16)
     assert not PPOTrainer(load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": 8}))).update_is_on_policy(16)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"])
+def test_every_advantage_estimator_runs_three_steps(ray_session, tiny_model_dir, tmp_path, estimator):
+    """The driver gives each estimator the inputs it declares (rlflow.algos.estimator_inputs): the
+    critic's values for gae, the group index for grpo/rloo, the greedy response's score for remax."""
+    from rlflow.algos import NEEDS_CRITIC
+
+    record = str(tmp_path / "rollouts.pt")
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+        "algorithm.adv_estimator": estimator, "trainer.total_steps": 3, "trainer.default_local_dir": str(tmp_path),
+        "trainer.record_rollouts": record}))
+    trainer = PPOTrainer(cfg)
+    history = trainer.fit()
+    steps = [h for h in history if "actor/pg_loss" in h]
+    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in steps)
+    assert all(("critic/vf_loss" in h) == (estimator in NEEDS_CRITIC) for h in steps)
+    recorded = torch.load(record, weights_only=True)
+    if estimator == "remax":
+        for step in recorded.values():
+            baselines = step["reward_baselines"].reshape(-1, cfg.rollout.n)
+            # one greedy score per prompt, shared by its samples
+            assert torch.equal(baselines, baselines[:, :1].expand_as(baselines))
+    else:
+        assert all("reward_baselines" not in step for step in recorded.values())
