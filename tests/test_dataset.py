@@ -241,7 +241,8 @@ def test_row_data_errors():
 def test_row_data_ray_round_trip():
     # ray.init costs 6-15 s here, so this runs only when asked for (or when a Ray session is
     # already up); the pickle round trip above covers the serialisation on every run.
-    ray = pytest.importorskip("ray")
+    import ray  # here, not at the top: importing ray takes ~1.3 s and most runs skip this test
+
     if not (os.environ.get("RLFLOW_TEST_RAY") == "1" or ray.is_initialized()):
         pytest.skip("set RLFLOW_TEST_RAY=1 to run the Ray round trip (ray.init is slow)")
     started = not ray.is_initialized()

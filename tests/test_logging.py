@@ -6,7 +6,9 @@ import os
 import struct
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from rlflow.logging import (
     ConsoleTracker,
@@ -33,8 +35,6 @@ def _log_all(trackers):
 
 
 def test_sanitize_and_flatten():
-    np = pytest.importorskip("numpy")
-    torch = pytest.importorskip("torch")
     out = sanitize_metrics({"a": 1, "b": np.float32(0.5), "c": torch.tensor(2.0), "d": "text", "e": True})
     assert out == {"a": 1.0, "b": 0.5, "c": 2.0, "e": 1.0}
     assert flatten_config(CONFIG) == {
@@ -99,7 +99,6 @@ def test_tracker_context_manager(tmp_path):
 
 
 def test_tensorboard_tracker(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     t = make_trackers(["tensorboard"], tmp_path, 3, config=CONFIG)
@@ -145,7 +144,6 @@ def _wandb_records(path):
 
 
 def test_wandb_tracker_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_API_KEY", "")  # no credentials: must not matter offline
     t = make_trackers(["wandb"], tmp_path, 3, project="proj", experiment="exp1", config=CONFIG)
@@ -171,7 +169,6 @@ def test_wandb_tracker_offline(tmp_path, monkeypatch):
 
 
 def test_mlflow_tracker_local(tmp_path):
-    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     t = make_trackers(["mlflow"], tmp_path, 3, project="proj", experiment="exp1", config=CONFIG)
@@ -190,7 +187,6 @@ def test_mlflow_tracker_local(tmp_path):
 
 
 def test_all_together(tmp_path):
-    pytest.importorskip("tensorboard")
     t = make_trackers("console,jsonl,tensorboard", tmp_path, total_steps=3, config=CONFIG)
     assert list(t.trackers) == ["console", "jsonl", "tensorboard"]
     _log_all(t)

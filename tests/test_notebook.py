@@ -7,14 +7,13 @@ import shlex
 import time
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the notebook's kernel; a test dependency)
+import nbclient
+import nbformat
 import pytest
 
 from conftest import tiny_overrides
 from test_job_submit import CpuSampler, _marked_pids
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
 

@@ -3,11 +3,10 @@ import math
 import struct
 import zlib
 
+import matplotlib  # noqa: F401  (a test dependency: rlflow[loggers]; rlflow.plot imports it lazily)
 import pytest
 
-pytest.importorskip("matplotlib")
-
-from rlflow.plot import default_panels, main, plot_run, read_metrics  # noqa: E402
+from rlflow.plot import default_panels, main, plot_run, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

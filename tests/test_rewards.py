@@ -64,7 +64,6 @@ def test_dispatch_by_data_source():
 
 
 def test_dispatch_synthetic():
-    pytest.importorskip("rlflow.rewards.synthetic")
     out = compute_score("synthetic/add", "12", "12")
     score = out["score"] if isinstance(out, dict) else out
     assert score == 1.0

@@ -4,12 +4,11 @@ import json
 import os
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from rlflow import tiny  # noqa: E402
-from rlflow.data.synthetic import TASKS  # noqa: E402
+from rlflow import tiny
+from rlflow.data.synthetic import TASKS
 
 # A warm start small enough to run in a couple of seconds.
 TINY_MODEL = {"hidden_size": 32, "num_layers": 1, "num_attention_heads": 2,

@@ -1,0 +1,588 @@
+"""The composed actor loss and the critic loss of the real workers, checked against float64 formulas
+written here, independently of rlflow.algos.
+
+In process, without Ray: an ActorWorker / CriticWorker (rank 0 of 1) loads the tiny model, which is
+then converted to float64, and `micro_loss` runs on one random micro-batch whose BatchMeta belongs to
+a BIGGER mini-batch (more tokens and sequences than the micro-batch holds, loss_scale_factor 5 while
+the config's is data.max_response_length), so what is checked is the global normalisation of the
+contract in DESIGN.md, not the micro-batch's own counts. The independent side runs the same weights
+(loaded separately with transformers, or a copy taken before any step) over the FULL input_ids, with
+no trimming of padding columns, and writes every policy loss, aggregation mode, KL estimator, the
+entropy bonus and the clipped value loss out by hand. Loss values, the gradient of every parameter
+and every metric the worker reports (value and declared aggregation) must agree.
+
+Precision: workers/forward.py casts the logits / values to float32 (`logits.float()`), so even with a
+float64 model the worker computes log-softmax, entropy and all loss arithmetic in float32 (the
+gradient flows back through that cast into the float64 model). The comparison is therefore against
+float32 rounding, not float64: see RTOL_F32 below. The random inputs are kept at least KINK_MARGIN
+away from every branch point of the losses (clip bounds, dual-clip bound, |x| at 0, the k3 clamp), so
+float32 rounding cannot flip a branch and the two sides differ by rounding only.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import random
+
+import pytest
+import torch
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from conftest import tiny_overrides
+from rlflow.algos import KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES
+from rlflow.config import load_config, to_dataclass
+from rlflow.metrics import Aggregation
+from rlflow.protocol import BatchMeta
+from workers.actor import ActorWorker
+from workers.critic import CriticWorker
+
+F64 = torch.float64
+
+# Worker side is float32 after the logits (see the module docstring). Worst differences measured on
+# this data over every policy loss x mode x KL type x dp_size (280 actor cases) and the critic's 10:
+# total loss 3.3e-7 of the size of its terms (|pg| + c_ent |ent| + c_kl |kl|: the total itself can
+# nearly cancel), each parameter's gradient 5.7e-7 of its largest entry, metrics 1.4e-6 relative
+# (actor/pg_loss, whose terms have both signs). float32's unit roundoff is 6e-8. 2e-5 leaves >= 14x
+# headroom over those and is ~900x below what the negative controls change (entropy sign flipped:
+# gradients 1.7e-2 off; the micro-batch's own token count: 0.42).
+RTOL_F32 = 2e-5
+KINK_MARGIN = 1e-3  # >> float32 error of a log-prob (~5e-7), << the spread of the random inputs
+
+# The micro-batch: prompt width P, response width R. No prompt fills its P columns and no response
+# its R columns, so the worker trims columns on both sides while the independent side does not.
+P, R = 6, 7
+PROMPT_LENS = (5, 2, 4, 1, 3)
+RESPONSE_LENS = (6, 1, 4, 2, 5)  # row 1: a single valid token
+EXTRA_TOKENS, EXTRA_SEQS = 13, 3  # the rest of the mini-batch, on other micro-batches / ranks
+LOSS_SCALE_FACTOR = 5.0  # the BatchMeta's; the config's (data.max_response_length) is 6
+
+TEMPERATURE = 0.7
+CLIP_LOW, CLIP_HIGH, CLIP_C = 0.15, 0.3, 2.5
+ENTROPY_COEFF, KL_COEF = 0.05, 0.27
+CLIPRANGE_VALUE = 0.3
+
+
+# ------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_process_state():
+    """WorkerBase.__init__ sets torch's thread count, seeds every RNG, quiets transformers and
+    registers Ray's tensor serializer (workers/wire.py) for the whole process: put all of it back
+    for the tests that run after this module."""
+    import numpy as np
+    from ray import cloudpickle
+
+    threads = torch.get_num_threads()
+    torch_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    tensor_reducer = cloudpickle.CloudPickler.dispatch.get(torch.Tensor)
+    yield
+    if tensor_reducer is None:
+        cloudpickle.CloudPickler.dispatch.pop(torch.Tensor, None)
+    else:
+        cloudpickle.CloudPickler.dispatch[torch.Tensor] = tensor_reducer
+    torch.set_num_threads(threads)
+    torch.set_rng_state(torch_rng)
+    random.setstate(py_rng)
+    np.random.set_state(np_rng)
+    hf_logging.set_verbosity(verbosity)
+    if progress:
+        hf_logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def reference_lm(tiny_model_dir):
+    """The policy's weights, loaded by transformers itself (not by the worker), in float64."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).double()
+    model.train()
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def base_cfg(model_dir: str):
+    """The validated config every worker here starts from (load_config costs ~0.15 s a call, which
+    was a third of this file's time); each test then sets its own actor/critic fields on a copy."""
+    return to_dataclass(load_config(None, tiny_overrides(model_dir, **{
+        "actor.entropy_coeff": ENTROPY_COEFF,
+        "actor.use_kl_loss": True,
+        "actor.kl_loss_coef": KL_COEF,
+        "actor.clip_ratio_low": CLIP_LOW,
+        "actor.clip_ratio_high": CLIP_HIGH,
+        "actor.clip_ratio_c": CLIP_C,
+        "rollout.temperature": TEMPERATURE,
+        "critic.enable": True,
+        "critic.cliprange_value": CLIPRANGE_VALUE,
+    })))
+
+
+def actor_worker(model_dir: str, **actor_fields) -> ActorWorker:
+    """A rank-0 actor in this process, its model in float64. actor_fields: ActorConfig fields
+    (policy_loss, loss_agg_mode, kl_loss_type), values from rlflow's registries."""
+    cfg = base_cfg(model_dir)
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, **actor_fields))
+    worker = ActorWorker(cfg, 0, 1)
+    worker.init_model(model_dir, 2)
+    worker.model.double()
+    worker.model.train()  # as TrainableWorker.update leaves it
+    return worker
+
+
+def critic_worker(model_dir: str, **critic_fields) -> CriticWorker:
+    cfg = base_cfg(model_dir)
+    cfg = dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, **critic_fields))
+    worker = CriticWorker(cfg, 0, 1)
+    worker.init_model(model_dir, 2)
+    worker.model.double()
+    worker.model.train()
+    return worker
+
+
+def meta_for(micro: TensorDict, dp_size: int) -> BatchMeta:
+    """What the driver attaches for the whole mini-batch this micro-batch is a slice of."""
+    return BatchMeta(
+        dp_size=dp_size,
+        batch_num_tokens=int(micro["response_mask"].sum()) + EXTRA_TOKENS,
+        global_batch_size=micro.batch_size[0] + EXTRA_SEQS,
+        loss_scale_factor=LOSS_SCALE_FACTOR,
+    )
+
+
+def base_micro_batch(pad_id: int, vocab: int) -> TensorDict:
+    """Left-padded prompts, right-padded responses, the derived masks and positions."""
+    gen = torch.Generator().manual_seed(1234)
+    rows = len(PROMPT_LENS)
+    prompts = torch.full((rows, P), pad_id, dtype=torch.long)
+    responses = torch.full((rows, R), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, P, dtype=torch.long)
+    response_mask = torch.zeros(rows, R, dtype=torch.long)
+    for row, (p_len, r_len) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+        prompts[row, P - p_len :] = torch.randint(1, vocab, (p_len,), generator=gen)
+        prompt_mask[row, P - p_len :] = 1
+        responses[row, :r_len] = torch.randint(1, vocab, (r_len,), generator=gen)
+        response_mask[row, :r_len] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0),
+            "response_mask": response_mask,
+        },
+        batch_size=[rows],
+    )
+
+
+def full_forward_logits(model, micro: TensorDict) -> torch.Tensor:
+    """Logits predicting each response token, [B, R, V], from the untrimmed sequence: position
+    P-1+j sees the prompt and response tokens < j."""
+    out = model(
+        input_ids=micro["input_ids"],
+        attention_mask=micro["attention_mask"],
+        position_ids=micro["position_ids"],
+        use_cache=False,
+    )
+    return out.logits[:, P - 1 : P - 1 + R]
+
+
+def reference_log_probs_and_entropy(model, micro: TensorDict):
+    logits = full_forward_logits(model, micro).to(F64) / TEMPERATURE
+    log_p = torch.log_softmax(logits, dim=-1)
+    log_prob = log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return log_prob, entropy
+
+
+def away_from(x: torch.Tensor, kinks, margin: float = KINK_MARGIN) -> torch.Tensor:
+    """Nudge entries that sit within `margin` of a kink past it (repeat until none does)."""
+    x = x.clone()
+    for _ in range(100):
+        near = torch.zeros_like(x, dtype=torch.bool)
+        for kink in kinks:
+            near |= (x - kink).abs() < margin
+        if not near.any():
+            return x
+        x = torch.where(near, x + 2.5 * margin, x)
+    raise AssertionError("could not move the inputs away from the kinks")
+
+
+def min_distance(x: torch.Tensor, mask: torch.Tensor, kinks) -> float:
+    valid = x[mask != 0]
+    return min(float((valid - k).abs().min()) for k in kinks)
+
+
+def k3_value(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x) - x - 1.0
+
+
+@pytest.fixture(scope="module")
+def actor_batch(reference_lm):
+    """The micro-batch of the actor tests, with old log-probs chosen so every clip region is hit."""
+    config = reference_lm.config
+    micro = base_micro_batch(config.pad_token_id, config.vocab_size)
+    mask = micro["response_mask"]
+    valid = mask != 0
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        log_prob, _ = reference_log_probs_and_entropy(reference_lm, micro)
+
+    # advantages of both signs, never near 0 (the sign picks geo_mean's / dual clip's branch)
+    advantages = torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 1.2
+    advantages = torch.where(advantages.abs() < 0.2, advantages.sign() * 0.2 + advantages, advantages)
+    # the log-ratio log_prob - old_log_prob, token by token
+    log_ratio = torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 0.6
+    # row 0 hits every region of dual-clip PPO and of geo_mean's log-space clip:
+    #   A < 0 beyond the dual-clip bound (ratio > c), A < 0 below 1 - low, A > 0 above 1 + high, inside
+    log_ratio[0, :6] = torch.tensor([1.4, -0.5, 0.6, 0.05, -0.05, 2.0], dtype=F64)
+    advantages[0, :6] = torch.tensor([-1.1, -0.7, 0.9, 1.3, -0.4, -2.0], dtype=F64)
+    # row 1 (one token): a sequence ratio below 1 - low with A < 0 (GSPO's lower clip)
+    log_ratio[1, 0], advantages[1, 0] = -0.4, -0.8
+    kinks = (math.log(1 - CLIP_LOW), math.log(1 + CLIP_HIGH), math.log(CLIP_C), -CLIP_LOW, CLIP_HIGH)
+    log_ratio = away_from(log_ratio, kinks)
+    old_log_probs = (log_prob - log_ratio).float()
+
+    # ref - log_prob: both signs, one token far enough that k3 = e^x - x - 1 > 10 (its clamp acts)
+    ref_gap = torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 0.5
+    ref_gap[2, 1] = 3.0
+    k3_kink = 2.5282  # k3(x) = 10 near here (x > 0)
+    ref_gap = away_from(ref_gap, (0.0, k3_kink), margin=10 * KINK_MARGIN)
+    ref_log_prob = (log_prob + ref_gap).float()
+
+    # padding holds junk: every loss must mask it
+    junk = torch.full_like(log_prob, 3.0)
+    micro["old_log_probs"] = torch.where(valid, old_log_probs, junk.float())
+    micro["advantages"] = torch.where(valid, advantages, -junk).float()
+    micro["ref_log_prob"] = torch.where(valid, ref_log_prob, junk.float())
+
+    # the premises, on the values the worker actually receives (float32-rounded); if a change of the
+    # tiny model moves an input onto a kink, change a seed above
+    eff_log_ratio = log_prob - micro["old_log_probs"].to(F64)
+    eff_ref_gap = micro["ref_log_prob"].to(F64) - log_prob
+    assert min_distance(eff_log_ratio, mask, kinks) > KINK_MARGIN / 2, "a log-ratio sits on a clip bound"
+    assert min_distance(eff_ref_gap, mask, (0.0,)) > KINK_MARGIN, "a ref gap sits on |x|'s kink"
+    assert min_distance(k3_value(eff_ref_gap), mask, (10.0,)) > KINK_MARGIN, "a k3 value sits on its clamp"
+    assert (eff_log_ratio[valid].abs() < 20).all() and (eff_ref_gap[valid].abs() < 20).all()  # no ±20 clamps
+    assert (k3_value(eff_ref_gap)[valid] > 10).any()  # the k3 clamp is active on a token
+    seq_log_ratio = (eff_log_ratio * valid).sum(-1) / valid.sum(-1)
+    assert min_distance(seq_log_ratio, torch.ones_like(seq_log_ratio), kinks[:2]) > KINK_MARGIN / 2, \
+        "a sequence log-ratio sits on a GSPO clip bound"
+    assert (seq_log_ratio < 10).all()  # GSPO's clamp of the sequence log-ratio at 10 never acts
+    return micro
+
+
+# ----------------------------------------------------------------- the independent float64 formulas
+
+
+def aggregate(per_token, mask, mode, meta: BatchMeta, *, own_token_count=False):
+    """The contract of DESIGN.md, written out. own_token_count: the bug (local normalisation)."""
+    valid = mask != 0
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    if mode == "token-mean":
+        tokens = valid.sum() if own_token_count else meta.batch_num_tokens
+        total = per_token.sum() / tokens
+    elif mode == "token-sum":
+        total = per_token.sum()
+    else:
+        row_sums = per_token.sum(-1)
+        if mode == "seq-mean-token-mean":
+            row_sums = row_sums / valid.sum(-1)  # every row here has >= 1 valid token
+        total = row_sums.sum() / meta.global_batch_size
+        if mode == "seq-mean-token-sum-norm":
+            total = total / meta.loss_scale_factor
+    return total * meta.dp_size
+
+
+def local_mean(x, mask) -> float:
+    valid = mask != 0
+    return float(x[valid].to(F64).sum() / valid.sum())
+
+
+def policy_per_token(name, log_prob, old_log_prob, advantages, mask):
+    """(per-token loss carrying the gradient, {statistic: per-token 0/1 or value}) of each loss."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    pos, neg = advantages > 0, advantages < 0
+    valid = mask != 0
+    zero = torch.zeros_like(log_prob)
+    stats = {"ppo_kl": -log_ratio.detach(), "pg_clipfrac": zero.detach(), "pg_clipfrac_lower": zero.detach()}
+    if name == "vanilla":
+        # A > 0: -A * min(r, 1 + high). A < 0: |A| * min(max(r, 1 - low), c) (dual clip)
+        upper = -advantages * torch.minimum(ratio, torch.full_like(ratio, 1 + CLIP_HIGH))
+        lower = -advantages * torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - CLIP_LOW)),
+                                            torch.full_like(ratio, CLIP_C))
+        loss = torch.where(pos, upper, torch.where(neg, lower, zero))
+        r = ratio.detach()
+        stats["pg_clipfrac"] = ((pos & (r > 1 + CLIP_HIGH)) | (neg & (r < 1 - CLIP_LOW))).to(F64)
+        stats["pg_clipfrac_lower"] = (neg & (r > CLIP_C)).to(F64)
+    elif name == "gspo":
+        # sequence ratio s_i = exp(mean_t log-ratio); each token's gradient is that of its own
+        # log-prob times s_i (straight-through), zero where PPO's clip holds the loss constant
+        seq_log_ratio = torch.where(valid, log_ratio, zero).sum(-1) / valid.sum(-1)
+        seq_ratio = torch.exp(seq_log_ratio.detach()).unsqueeze(-1).expand_as(log_prob)
+        value = torch.where(
+            pos, -advantages * torch.clamp(seq_ratio, max=1 + CLIP_HIGH),
+            torch.where(neg, -advantages * torch.clamp(seq_ratio, min=1 - CLIP_LOW), zero),
+        )
+        unclipped = (pos & (seq_ratio < 1 + CLIP_HIGH)) | (neg & (seq_ratio > 1 - CLIP_LOW))
+        slope = torch.where(unclipped, -advantages * seq_ratio, zero)
+        loss = value + slope * (log_prob - log_prob.detach())
+        stats["pg_clipfrac"] = ((pos & (seq_ratio > 1 + CLIP_HIGH)) | (neg & (seq_ratio < 1 - CLIP_LOW))).to(F64)
+    elif name == "reinforce":
+        loss = -advantages * ratio
+    elif name == "geo_mean":
+        # pessimistic log-space clip per token, then -mean(A) * exp(mean clipped log-ratio) per row
+        clipped_log_ratio = torch.where(
+            pos, torch.clamp(log_ratio, max=CLIP_HIGH), torch.where(neg, torch.clamp(log_ratio, min=-CLIP_LOW), zero)
+        )
+        n = valid.sum(-1)
+        seq_log_ratio = torch.where(valid, clipped_log_ratio, zero).sum(-1) / n
+        seq_advantage = torch.where(valid, advantages, zero).sum(-1) / n
+        seq_loss = -seq_advantage * torch.exp(seq_log_ratio)
+        loss = seq_loss.unsqueeze(-1).expand_as(log_prob)
+        lr = log_ratio.detach()
+        stats["pg_clipfrac"] = ((pos & (lr > CLIP_HIGH)) | (neg & (lr < -CLIP_LOW))).to(F64)
+    else:
+        raise AssertionError(f"policy loss {name!r} has no independent formula in this test: add one")
+    return loss, stats
+
+
+def kl_per_token(kl_type, log_prob, ref_log_prob):
+    diff = log_prob - ref_log_prob
+    if kl_type in ("kl", "k1"):
+        return diff
+    if kl_type == "abs":
+        return diff.abs()
+    if kl_type in ("mse", "k2"):
+        return 0.5 * diff * diff
+    if kl_type in ("low_var_kl", "k3"):
+        x = -diff  # log(ref / pi); |x| < 20 here, so the inner clamp never acts
+        k3 = torch.exp(x) - x - 1.0
+        return torch.where(k3 > 10.0, torch.full_like(k3, 10.0), k3)  # the outer clamp at 10
+    raise AssertionError(f"KL type {kl_type!r} has no independent formula in this test: add one")
+
+
+def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0, own_token_count=False):
+    """(loss, gradients by parameter name, metric values) from the float64 reference model."""
+    model.zero_grad(set_to_none=True)
+    mask = micro["response_mask"]
+    log_prob, entropy = reference_log_probs_and_entropy(model, micro)
+    old = micro["old_log_probs"].to(F64)
+    advantages = micro["advantages"].to(F64)
+    ref = micro["ref_log_prob"].to(F64)
+
+    def agg(x):
+        return aggregate(x, mask, mode, meta, own_token_count=own_token_count)
+
+    pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask)
+    pg_loss = agg(pg_tokens)
+    entropy_loss = agg(entropy)
+    kl_loss = agg(kl_per_token(kl_type, log_prob, ref))
+    loss = pg_loss - entropy_sign * ENTROPY_COEFF * entropy_loss + KL_COEF * kl_loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    dp = meta.dp_size
+    metrics = {
+        "actor/pg_loss": float(pg_loss.detach()) / dp,
+        "actor/entropy_loss": float(entropy_loss.detach()) / dp,
+        "actor/kl_loss": float(kl_loss.detach()) / dp,
+        "actor/entropy": local_mean(entropy.detach(), mask),
+        **{f"actor/{k}": local_mean(v, mask) for k, v in stats.items()},
+    }
+    # the total can nearly cancel (its terms have both signs): float32's error is relative to the
+    # size of the terms, not to the total
+    magnitude = float(pg_loss.detach().abs() + ENTROPY_COEFF * entropy_loss.detach().abs() + KL_COEF * kl_loss.detach().abs())
+    return float(loss.detach()), grads, metrics, magnitude
+
+
+# ----------------------------------------------------------------------------------- comparison
+
+LOSS_METRICS = {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"}
+
+
+def run_worker(worker, micro, meta: BatchMeta):
+    worker.model.zero_grad(set_to_none=True)
+    num_tokens = int(micro["response_mask"].sum())
+    loss, metrics = worker.micro_loss(micro, meta.loss_kwargs(), num_tokens)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in worker.model.named_parameters()}
+    return float(loss.detach()), grads, metrics, num_tokens
+
+
+def compare(worker_out, expected, rtol=RTOL_F32):
+    """Loss value, every parameter's gradient, every metric (value and aggregation)."""
+    loss, grads, metrics, num_tokens = worker_out
+    exp_loss, exp_grads, exp_metrics, magnitude = expected
+    assert abs(loss - exp_loss) <= rtol * magnitude, (loss, exp_loss)
+    assert grads.keys() == exp_grads.keys()
+    for name, expected_grad in exp_grads.items():
+        # entries near 0 are judged against the parameter's largest entry: float32 rounding of the
+        # logits is relative to the whole gradient's size, not to each entry's
+        scale = float(expected_grad.abs().max())
+        assert scale > 0, f"{name} gets no gradient: the check would be vacuous"
+        torch.testing.assert_close(grads[name], expected_grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+    assert metrics.keys() == exp_metrics.keys()
+    for key, expected_value in exp_metrics.items():
+        metric = metrics[key]
+        if key in LOSS_METRICS:  # the #6957 rule: SUM of loss / dp_size under global metadata
+            assert metric.aggregation is Aggregation.SUM, key
+        else:  # per-token statistic: local mean weighted by the local token count
+            assert metric.aggregation is Aggregation.MEAN and metric.weight == num_tokens, key
+        assert metric.value == pytest.approx(expected_value, rel=rtol, abs=rtol * 1e-2), key
+
+
+def check_same_weights(worker_model, reference_model):
+    ours = reference_model.state_dict()
+    for key, tensor in worker_model.state_dict().items():
+        assert torch.equal(tensor, ours[key]), key
+
+
+# --------------------------------------------------------------------------------------- actor
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_actor_composed_loss_matches_independent_float64(tiny_model_dir, reference_lm, actor_batch, name, mode):
+    # the KL estimator rotates over the grid, so every type also meets several losses and modes
+    grid_index = sorted(POLICY_LOSSES).index(name) * len(LOSS_AGG_MODES) + LOSS_AGG_MODES.index(mode)
+    kl_type = KL_PENALTY_MODES[grid_index % len(KL_PENALTY_MODES)]
+    worker = actor_worker(tiny_model_dir, policy_loss=name, loss_agg_mode=mode, kl_loss_type=kl_type)
+    check_same_weights(worker.model, reference_lm)
+    for dp_size in (1, 2):  # dp 2: the loss (and gradient) times 2, the loss metrics divided by 2
+        meta = meta_for(actor_batch, dp_size)
+        expected = expected_actor(reference_lm, actor_batch, name, mode, kl_type, meta)
+        if name == "vanilla":  # the data exercises every clip region (else the check would be weak)
+            assert expected[2]["actor/pg_clipfrac"] > 0 and expected[2]["actor/pg_clipfrac_lower"] > 0
+        if name in ("gspo", "geo_mean"):
+            assert expected[2]["actor/pg_clipfrac"] > 0
+        compare(run_worker(worker, actor_batch, meta), expected)
+
+
+@pytest.mark.parametrize("kl_type", KL_PENALTY_MODES)
+def test_actor_every_kl_loss_type(tiny_model_dir, reference_lm, actor_batch, kl_type):
+    mode = "seq-mean-token-mean"
+    worker = actor_worker(tiny_model_dir, policy_loss="vanilla", loss_agg_mode=mode, kl_loss_type=kl_type)
+    meta = meta_for(actor_batch, 2)
+    compare(run_worker(worker, actor_batch, meta),
+            expected_actor(reference_lm, actor_batch, "vanilla", mode, kl_type, meta))
+
+
+def test_actor_dp_size_multiplies_loss_and_gradient(tiny_model_dir, actor_batch):
+    """With the same counts, dp_size=2 doubles the loss and the gradient (it cancels DDP's mean);
+    the reported loss metric (loss / dp_size, SUM) is unchanged."""
+    worker = actor_worker(tiny_model_dir, loss_agg_mode="token-mean")
+    loss1, grads1, metrics1, _ = run_worker(worker, actor_batch, meta_for(actor_batch, 1))
+    loss2, grads2, metrics2, _ = run_worker(worker, actor_batch, meta_for(actor_batch, 2))
+    assert loss2 == pytest.approx(2 * loss1, rel=1e-12)
+    for name, grad in grads1.items():
+        torch.testing.assert_close(grads2[name], 2 * grad, rtol=1e-12, atol=0)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy_loss"):
+        assert metrics2[key].value == pytest.approx(metrics1[key].value, rel=1e-12)
+
+
+def test_the_actor_check_can_fail(tiny_model_dir, reference_lm, actor_batch):
+    """Negative controls: the comparison detects a flipped entropy sign and a micro-batch that
+    normalises by its own token count (the bug the contract prevents)."""
+    mode = "token-mean"
+    worker = actor_worker(tiny_model_dir, policy_loss="vanilla", loss_agg_mode=mode, kl_loss_type="low_var_kl")
+    meta = meta_for(actor_batch, 1)
+    out = run_worker(worker, actor_batch, meta)
+    compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta))
+    with pytest.raises(AssertionError):
+        compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta, entropy_sign=-1.0))
+    with pytest.raises(AssertionError):
+        compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta, own_token_count=True))
+
+
+# -------------------------------------------------------------------------------------- critic
+
+
+@pytest.fixture(scope="module")
+def critic_setup(tiny_model_dir):
+    """A float64 copy of a critic worker's model taken before any step (the scalar head is freshly
+    initialised at load, from the worker's seed, so it cannot be re-loaded from the folder) and
+    the batch."""
+    reference = copy.deepcopy(critic_worker(tiny_model_dir).model)
+    config = reference.config
+    micro = base_micro_batch(config.pad_token_id, config.vocab_size)
+    mask = micro["response_mask"]
+    valid = mask != 0
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        vpreds = full_forward_logits(reference, micro).squeeze(-1).to(F64)
+    # old values: some within the clip range, some beyond it (both sides)
+    offset = away_from(torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 0.4,
+                       (CLIPRANGE_VALUE, -CLIPRANGE_VALUE))
+    returns = vpreds + torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 0.8
+    junk = torch.full_like(vpreds, 3.0)
+    micro["values"] = torch.where(valid, vpreds + offset, junk).float()
+    micro["returns"] = torch.where(valid, returns, -junk).float()
+
+    # premises on the float32 values the worker receives: the clip is active, and where it is,
+    # both outcomes occur (the clipped error larger: no gradient; smaller: the plain error counts)
+    values, returns = micro["values"].to(F64), micro["returns"].to(F64)
+    moved = (vpreds - values).abs() > CLIPRANGE_VALUE
+    v_clipped = values + torch.clamp(vpreds - values, -CLIPRANGE_VALUE, CLIPRANGE_VALUE)
+    larger = (v_clipped - returns) ** 2 > (vpreds - returns) ** 2
+    assert (valid & moved & larger).any() and (valid & moved & ~larger).any() and (valid & ~moved).any()
+    assert min_distance((vpreds - values).abs(), mask, (CLIPRANGE_VALUE,)) > KINK_MARGIN / 2
+    gap = ((v_clipped - returns) ** 2 - (vpreds - returns) ** 2).abs()
+    assert float(gap[valid & moved].min()) > KINK_MARGIN
+    return reference, micro
+
+
+def expected_critic(model, micro, mode, meta, *, clip=True):
+    """clip=False: the plain squared error (a negative control)."""
+    model.zero_grad(set_to_none=True)
+    mask = micro["response_mask"]
+    vpreds = full_forward_logits(model, micro).squeeze(-1).to(F64)
+    values, returns = micro["values"].to(F64), micro["returns"].to(F64)
+    # clip(v, v_old ± c): only where v left the range does it differ from v
+    beyond = (vpreds - values).abs() > CLIPRANGE_VALUE
+    v_clipped = torch.where(beyond, values + CLIPRANGE_VALUE * torch.sign(vpreds - values), vpreds).detach()
+    plain, clipped = (vpreds - returns) ** 2, (v_clipped - returns) ** 2
+    clip_wins = beyond & (clipped > plain) & clip
+    per_token = torch.where(clip_wins, clipped, plain)  # the max of the two
+    vf_loss = 0.5 * aggregate(per_token, mask, mode, meta)
+    vf_loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    metrics = {
+        "critic/vf_loss": float(vf_loss.detach()) / meta.dp_size,
+        "critic/vf_clipfrac": local_mean(clip_wins.to(F64), mask),
+        "critic/vpred_mean": local_mean(vpreds.detach(), mask),
+    }
+    return float(vf_loss.detach()), grads, metrics, abs(float(vf_loss.detach()))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_critic_value_loss_matches_independent_float64(tiny_model_dir, critic_setup, mode):
+    reference, micro = critic_setup
+    worker = critic_worker(tiny_model_dir, loss_agg_mode=mode)
+    check_same_weights(worker.model, reference)  # the same seed gives the same head
+    for dp_size in (1, 2):
+        meta = meta_for(micro, dp_size)
+        expected = expected_critic(reference, micro, mode, meta)
+        assert 0 < expected[2]["critic/vf_clipfrac"] < 1
+        compare(run_worker(worker, micro, meta), expected)
+
+
+def test_the_critic_check_can_fail(tiny_model_dir, critic_setup):
+    """Negative controls: the comparison detects a value loss without its clip, and one that
+    normalises by the micro-batch's own token count."""
+    reference, micro = critic_setup
+    mode = "token-mean"
+    worker = critic_worker(tiny_model_dir, loss_agg_mode=mode)
+    meta = meta_for(micro, 1)
+    out = run_worker(worker, micro, meta)
+    compare(out, expected_critic(reference, micro, mode, meta))
+    with pytest.raises(AssertionError):
+        compare(out, expected_critic(reference, micro, mode, meta, clip=False))
+    own_count = BatchMeta(1, int(micro["response_mask"].sum()), meta.global_batch_size, LOSS_SCALE_FACTOR)
+    with pytest.raises(AssertionError):
+        compare(out, expected_critic(reference, micro, mode, own_count))
