@@ -595,7 +595,7 @@ def _cluster_gpus() -> float:
 
 
 def _worker_env() -> dict:
-    keep = ("RLFLOW_TEST_FAULT", "RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    keep = ("RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     # OpenMP threads that spin while waiting burn the cores the other colocated workers (and any
     # other load) need: measured on a 2-core machine, a worker's forward/backward ran 10-35x

@@ -107,13 +107,10 @@ class FitResult:
 
 def run_fit(model_dir: str, out_dir: str, workers: dict | None = None, **overrides) -> FitResult:
     """One real fit (Ray workers, gloo) with the initial and final actor and critic weights."""
-    import ray.cloudpickle
-
     import exactness_workers
     from controllers.ppo import PPOTrainer
     from rlflow import load_config
 
-    ray.cloudpickle.register_pickle_by_value(exactness_workers)  # the Ray workers cannot import tests/
     settings = dict(BASE)
     settings["reward.custom_function.path"] = os.path.abspath(__file__)
     settings["trainer.default_local_dir"] = out_dir

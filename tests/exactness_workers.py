@@ -3,17 +3,21 @@
 Nothing here ships: the negative controls (a worker that normalises every micro-batch by its own
 counts, a worker whose gradient of one tensor is doubled) exist only in tests, so no user config
 or environment variable can turn them on. The Ray workers cannot import tests/, so this module is
-pickled by value (register_pickle_by_value) by the test that uses it.
+pickled by value.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+import ray.cloudpickle
 import torch
 
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 DOUBLED_TENSOR = "model.layers.1.mlp.down_proj.weight"
 

@@ -117,22 +117,25 @@ def test_fit_uses_an_already_initialised_ray_and_returns_history(ray_session, ti
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
 
 
-def _one_on_policy_grpo_step(tmp_path, model_dir, name: str, skip: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+def _one_on_policy_grpo_step(tmp_path, model_dir, name: str, skip: bool,
+                             worker_classes: dict | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     # 8 prompts x n=2 = 16 responses, one mini-batch of 16, one epoch: one optimizer step per rollout
     cfg = load_config(None, tiny_overrides(model_dir, **{
         "algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": 16, "trainer.total_steps": 1,
         "trainer.deterministic": True, "actor.skip_old_log_prob_when_on_policy": skip,
         "trainer.default_local_dir": str(tmp_path / name)}))
-    trainer = PPOTrainer(cfg, capture_final_weights=True)
+    trainer = PPOTrainer(cfg, capture_final_weights=True, worker_classes=worker_classes)
     history = trainer.fit()
     return history[-1], trainer.final_weights["actor"]
 
 
-def test_on_policy_update_skips_the_old_log_prob_forward(ray_session, tiny_model_dir, tmp_path, monkeypatch):
+def test_on_policy_update_skips_the_old_log_prob_forward(ray_session, tiny_model_dir, tmp_path):
+    from fault_workers import faulty_workers
+
     recomputed, recomputed_weights = _one_on_policy_grpo_step(tmp_path, tiny_model_dir, "recompute", skip=False)
     # any call of the actor's compute_log_prob now raises in the worker: the run must not make one
-    monkeypatch.setenv("RLFLOW_TEST_FAULT", "actor:*:compute_log_prob:*:raise")
-    skipped, skipped_weights = _one_on_policy_grpo_step(tmp_path, tiny_model_dir, "skip", skip=True)
+    skipped, skipped_weights = _one_on_policy_grpo_step(
+        tmp_path, tiny_model_dir, "skip", skip=True, worker_classes=faulty_workers("actor:*:compute_log_prob:*:raise"))
     # the update's own detached log-probs: the ratio is exactly 1, nothing is clipped
     assert skipped["actor/ppo_kl"] == 0.0 and skipped["actor/pg_clipfrac"] == 0.0
     # the recomputed forward differs from the update's only by float rounding

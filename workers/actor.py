@@ -8,7 +8,6 @@ from tensordict import TensorDict
 from rlflow.algos import agg_loss, compute_entropy_loss, get_policy_loss_fn, kl_penalty, masked_mean
 from rlflow.metrics import Metric, loss_metric, token_mean_metric
 from rlflow.protocol import plan_micro_batches
-from workers import faults
 from workers.base import WorkerBase
 from workers.forward import response_log_probs
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
@@ -60,7 +59,6 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         return sum(p.numel() for p in model.parameters())
 
     def compute_log_prob(self, td: TensorDict) -> TensorDict:
-        faults.check(self.role, self.rank, "compute_log_prob")  # test-only hook
         return self._log_prob_shard(td, self.cfg.actor.log_prob_micro_batch_size_per_gpu, "old_log_probs")
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:

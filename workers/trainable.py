@@ -17,7 +17,6 @@ from tensordict import TensorDict
 
 from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import MICRO_PLAN_KEY, BatchMeta, get_meta, split_micro_batches
-from workers import faults
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
 from workers.probes import gradient_probes
 from workers.weight_share import SHM_DIR, MappedWeights, WeightLayout, create_share, layout_of, new_share_path
@@ -80,7 +79,6 @@ class TrainableWorker(WorkerBase):
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
-        shards = faults.poison(shards, faults.check(self.role, self.rank, "update"))  # test-only hook
         self.model.train()
         section = self.section_cfg()
         probes = self.cfg.trainer.grad_probes

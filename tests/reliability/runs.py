@@ -6,7 +6,6 @@ the 6 of EXACT, while a step takes under a second. Keep the number of fits down.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import tempfile
@@ -57,23 +56,6 @@ def run_dir_of(base: str) -> str:
     return os.path.join(base, "p", "e")
 
 
-@contextlib.contextmanager
-def fault(spec: str | None):
-    """Set the test-only fault variable in the driver, which forwards it to the workers."""
-    from workers.faults import ENV
-
-    old = os.environ.get(ENV)
-    if spec:
-        os.environ[ENV] = spec
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
-
-
 def make_config(model_dir: str, base_dir: str, **overrides):
     from rlflow import load_config
 
@@ -82,34 +64,20 @@ def make_config(model_dir: str, base_dir: str, **overrides):
 
 
 def fit(model_dir: str, base_dir: str, fault_spec: str | None = None, return_trainer: bool = False, **overrides):
-    """One fit; a new trainer (new worker processes) each time."""
+    """One fit; a new trainer (new worker processes) each time. fault_spec: tests/fault_workers.py."""
     from controllers.ppo import PPOTrainer
+    from fault_workers import faulty_workers
 
-    trainer = _new_trainer(PPOTrainer, make_config(model_dir, base_dir, **overrides))
-    with fault(fault_spec):
-        history = trainer.fit()
+    trainer = PPOTrainer(make_config(model_dir, base_dir, **overrides), capture_final_weights=True,
+                         worker_classes=faulty_workers(fault_spec) if fault_spec else None)
+    history = trainer.fit()
     return (history, trainer) if return_trainer else history
 
 
-def _new_trainer(cls, cfg):
-    try:
-        return cls(cfg, capture_final_weights=True)
-    except TypeError:  # a PPOTrainer without the hook: final_weights() reads the last checkpoint
-        return cls(cfg)
-
-
 def final_weights(trainer) -> dict:
-    """{"actor": state dict, "critic": ...} at the end of a fit (needs a checkpoint at its last step
-    when the trainer has no capture_final_weights hook)."""
-    captured = getattr(trainer, "final_weights", None)
-    if captured:
-        return captured
-    from controllers.checkpoint import _load_model_file, find_latest
-
-    latest = find_latest(os.path.join(trainer.run_dir, "checkpoints"))
-    assert latest is not None, "no final weights: neither captured nor checkpointed"
-    return {role: _load_model_file(latest, f"{role}/model.safetensors") for role in ("actor", "critic")
-            if os.path.isfile(os.path.join(latest, role, "model.safetensors"))}
+    """{"actor": state dict, "critic": ...} at the end of a fit."""
+    assert trainer.final_weights, "the fit did not finish"
+    return trainer.final_weights
 
 
 def metrics(history: list[dict]) -> list[dict]:
@@ -161,11 +129,11 @@ def _clocked_trainer_class():
         the worker processes race it on a busy machine.
         """
 
-        def __init__(self, config, step_timeout_s: float | None = None):
-            try:
-                super().__init__(config, capture_final_weights=True)
-            except TypeError:
-                super().__init__(config)
+        def __init__(self, config, step_timeout_s: float | None = None, fault_spec: str | None = None):
+            from fault_workers import faulty_workers
+
+            super().__init__(config, capture_final_weights=True,
+                             worker_classes=faulty_workers(fault_spec) if fault_spec else None)
             self.step_started: dict[int, float] = {}
             self.step_timeout_s = step_timeout_s
             self.setup_timeouts: dict[str, float] = {}

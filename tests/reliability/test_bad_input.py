@@ -1,6 +1,6 @@
 """Bad numbers and unsafe defaults: NaN/inf in the losses (nan_policy), Ray's network exposure.
 
-NaN is injected with the test-only RLFLOW_TEST_FAULT hook: the worker fills the advantages of
+NaN is injected by a test-only worker subclass (tests/fault_workers.py): it fills the advantages of
 its update shards with NaN (a reward function cannot produce one: RewardManager already refuses
 NaN/inf scores, see tests/test_rewards.py).
 """

@@ -1,7 +1,7 @@
 """Faults: a worker that dies mid-step, a worker that hangs, remote-call timeouts.
 
-Faults are injected with the test-only RLFLOW_TEST_FAULT variable (workers/faults.py), which the
-driver forwards to its workers; it is not a config option.
+Faults are injected by test-only worker subclasses (tests/fault_workers.py) passed in with
+PPOTrainer(worker_classes=...); nothing in rlflow/, controllers/ or workers/ knows about them.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ def test_worker_death_then_exact_resume(ray_session, tiny_model_dir, tmp_path):
     print(f"\nstraight run: {time.monotonic() - clock:.1f} s")
 
     base = str(tmp_path / "crashed")
-    trainer = runs.PPOTrainerWithStepClock(runs.make_config(tiny_model_dir, base, **{"trainer.save_freq": 2}))
+    trainer = runs.PPOTrainerWithStepClock(runs.make_config(tiny_model_dir, base, **{"trainer.save_freq": 2}),
+                                           fault_spec="actor:1:update:3:exit")
     timeout_s = trainer.cfg.trainer.remote_timeout_s
     clock = time.monotonic()
-    with runs.fault("actor:1:update:3:exit"), pytest.raises(WorkerError) as info:
+    with pytest.raises(WorkerError) as info:
         trainer.fit()
     print(f"crashed run: {time.monotonic() - clock:.1f} s")
     elapsed = time.monotonic() - trainer.step_started[3]
@@ -77,8 +78,9 @@ def test_hung_worker_times_out_naming_the_call(ray_session, tiny_model_dir, tmp_
     """
     step_timeout_s = 5
     trainer = runs.PPOTrainerWithStepClock(runs.make_config(
-        tiny_model_dir, str(tmp_path / "hung"), **{**CHEAP, "trainer.remote_timeout_s": 77}), step_timeout_s=step_timeout_s)
-    with runs.fault("actor:0:update:1:sleep=600"), pytest.raises(WorkerError) as info:
+        tiny_model_dir, str(tmp_path / "hung"), **{**CHEAP, "trainer.remote_timeout_s": 77}), step_timeout_s=step_timeout_s,
+        fault_spec="actor:0:update:1:sleep=600")
+    with pytest.raises(WorkerError) as info:
         trainer.fit()
     message = str(info.value)
     assert trainer.setup_timeouts == {"actor": 77, "rollout": 77}, trainer.setup_timeouts
@@ -144,19 +146,16 @@ def test_collective_timeout_comes_from_config(monkeypatch, tiny_model_dir):
     assert seen["timeout"] == datetime.timedelta(seconds=42) and seen["rank"] == 1 and seen["world_size"] == 2
 
 
-def test_fault_spec_is_test_only():
-    """The fault hook reads only its environment variable; no config key reaches it."""
-    from rlflow.config import RLFlowConfig, _all_paths
-    from workers import faults
+def test_fault_specs_are_checked():
+    """The test-only fault workers: a bad spec is refused; a spec names roles and ranks."""
+    import fault_workers
 
-    import re
+    from workers.actor import ActorWorker
 
-    assert not [p for p in _all_paths(RLFlowConfig()) if re.search(r"(^|[._])(test_)?faults?($|[._])", p)]
-    os.environ.pop(faults.ENV, None)
-    assert faults.check("actor", 0, "update") is None
-    with runs.fault("actor:*:update:*:nan=1"):
-        assert faults.check("actor", 3, "update") == "nan=1"
-        assert faults.check("critic", 0, "update") is None
-    with runs.fault("actor:0:update:1:bogus"), pytest.raises(ValueError, match="unknown action"):
-        faults._calls.clear()
-        faults.check("actor", 0, "update")
+    classes = fault_workers.faulty_workers("actor:*:update:*:nan=1,actor:0:compute_log_prob:2:raise")
+    assert list(classes) == ["actor"] and issubclass(classes["actor"], ActorWorker)
+    assert [f.method for f in classes["actor"].FAULTS] == ["update", "compute_log_prob"]
+    with pytest.raises(ValueError, match="unknown action"):
+        fault_workers.parse("actor:0:update:1:bogus")
+    with pytest.raises(ValueError, match="role:rank:method:nth:action"):
+        fault_workers.parse("actor:0:update")
