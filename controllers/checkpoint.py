@@ -41,6 +41,8 @@ from typing import Any, Callable
 
 import torch
 
+from rlflow.config import config_to_dict
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -101,7 +103,7 @@ def save(trainer, step: int) -> str:
             writer.torch_save(f"{role}/optimizer.pt", {"optimizer": full["optimizer"], "scheduler": full["scheduler"]})
             writer.torch_save(f"{role}/rng.pt", {"per_rank": [s.get("rng") for s in states]})
         writer.torch_save(TRAINER_STATE, trainer_state)
-        writer.json("run_config.json", _config_dict(cfg))
+        writer.json("run_config.json", config_to_dict(cfg))
         model_path = getattr(trainer, "model_path", None)
         if model_path and os.path.isdir(model_path):
             for name in _hf_side_files(model_path):
@@ -306,12 +308,6 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _config_dict(cfg) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
-
-
 # ---------------------------------------------------------------------------------------------
 # finding and verifying
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +503,7 @@ def _warn_config_changes(ckpt_dir: str, cfg) -> None:
             old = json.load(f)
     except ValueError:
         return
-    new = json.loads(json.dumps(_config_dict(cfg), default=str))
+    new = json.loads(json.dumps(config_to_dict(cfg), default=str))
     changed = [key for key in _RESUME_SENSITIVE if _get(old, key) != _get(new, key)]
     if changed:
         _warn(f"resuming from {ckpt_dir} with a different config for {', '.join(changed)}: the run will not "

@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
-from rlflow.config import RLFlowConfig, to_dataclass
+from rlflow.config import RLFlowConfig, config_to_dict, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
 from rlflow.protocol import MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num_bins_for_token_budget, row_token_counts, split_dp
 
@@ -114,7 +114,6 @@ class PPOTrainer:
         self.final_weights: dict | None = None
         self.groups = {}
         self.pools = []
-        self._owns_ray = False
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -138,7 +137,7 @@ class PPOTrainer:
         self.recorded: dict = {}
         from controllers.cluster import ensure_ray
 
-        self._owns_ray = ensure_ray(cfg)
+        ensure_ray(cfg)
         self._setup_workers()
 
     def _setup_data(self) -> None:
@@ -264,7 +263,7 @@ class PPOTrainer:
             start_step = self.maybe_resume()
             os.makedirs(run_dir, exist_ok=True)
             self.tracker = make_trackers(list(cfg.trainer.logger), run_dir, cfg.trainer.total_steps,
-                                         cfg.trainer.project_name, cfg.trainer.experiment_name, _config_dict(cfg),
+                                         cfg.trainer.project_name, cfg.trainer.experiment_name, config_to_dict(cfg),
                                          console_keys=CONSOLE_KEYS)
             if cfg.trainer.val_before_train and self.val_dataset is not None and start_step == 0:
                 val = self.validate()
@@ -482,7 +481,7 @@ class PPOTrainer:
         # the loads succeeded, so rank 0's get_weights did: fetching its state dict into the driver
         # as well would only copy it through the object store (measured ~11 ms a step at 0.9M
         # parameters); the other ranks return {} under FSDP2
-        actor._get(weights[1:], "get_weights", ranks=list(range(1, len(weights))))
+        actor.gather_ranks(weights[1:], "get_weights", ranks=list(range(1, len(weights))))
 
     def gather_weights(self) -> dict[str, dict[str, torch.Tensor]]:
         """The full (unsharded) state dict of each trained role, from its rank 0."""
@@ -602,12 +601,6 @@ def _worker_env() -> dict:
     # slower with the default policy. Sleeping waiters change no result. The user's value wins.
     env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     return env
-
-
-def _config_dict(cfg: RLFlowConfig) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
 def _atomic_torch_save(obj, path: str) -> None:

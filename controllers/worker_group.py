@@ -157,6 +157,10 @@ class RayWorkerGroup:
     def gather(self, futures: list, method: str, startup: bool = False) -> list:
         return self._get(futures, method, startup=startup)
 
+    def gather_ranks(self, futures: list, method: str, ranks: list[int]) -> list:
+        """Like gather, for the calls of some ranks only (errors name those ranks)."""
+        return self._get(futures, method, ranks=ranks)
+
     # -- dp dispatch: split rows over ranks, concat results in order -------------------------------
     def dispatch_dp_async(self, method: str, td: TensorDict, *args) -> list:
         chunks = td.chunk(self.world_size, dim=0) if self.world_size > 1 else [td]

@@ -107,7 +107,7 @@ class ActorConfig:
 class CriticConfig:
     enable: bool | None = None  # None: on for the estimators that need values (rlflow.algos.NEEDS_CRITIC: gae)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" -> actor's
-    strategy: str = "fsdp2"
+    strategy: str | None = None  # None -> actor's
     dp_size: int | None = None  # None -> actor's
     ppo_mini_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int | None = None
@@ -344,13 +344,18 @@ def to_dataclass(cfg: DictConfig | RLFlowConfig | dict) -> RLFlowConfig:
     return OmegaConf.to_object(cfg)
 
 
+def config_to_dict(cfg: DictConfig | RLFlowConfig) -> dict:
+    """Plain containers (for run_config.json and the trackers)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
 def resolve_config(cfg: DictConfig) -> DictConfig:
     """Fill inherited values, then validate. Returns a new DictConfig."""
     cfg = cfg.copy()
     actor, critic, data = cfg.actor, cfg.critic, cfg.data
     if actor.loss_scale_factor is None:
         actor.loss_scale_factor = float(data.max_response_length)
-    for name in ("dp_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+    for name in ("strategy", "dp_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
                  "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "loss_agg_mode", "loss_scale_factor"):
         if critic[name] is None:
             critic[name] = actor[name]

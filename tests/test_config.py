@@ -21,6 +21,11 @@ def test_defaults_resolve_and_critic_inherits_the_actor():
     assert isinstance(to_dataclass(cfg), RLFlowConfig)
 
 
+def test_critic_strategy_inherits_the_actors_unless_set():
+    assert load_config(None, ["actor.strategy=ddp"]).critic.strategy == "ddp"
+    assert load_config(None, ["actor.strategy=ddp", "critic.strategy=fsdp2"]).critic.strategy == "fsdp2"
+
+
 def test_grpo_needs_no_critic_and_kl_loss_turns_on_the_reference():
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true"])
     assert not cfg.critic.enable and cfg.reference.enable
