@@ -350,7 +350,7 @@ class PPOTrainer:
         with timer("step"):
             batch, extras = self._next_rollout(step, timer)
             batch = batch.select(*ROLLOUT_KEYS, "group_index", "token_level_scores",
-                                 *(k for k in ("acc", "reward_baselines") if k in batch.keys()))
+                                 *(k for k in ("acc", "reward_baselines", "rollout_log_probs") if k in batch.keys()))
             model_batch = batch.select(*ROLLOUT_KEYS)
             on_policy = self.update_is_on_policy(batch.batch_size[0])
             # independent forwards, dispatched together

@@ -166,13 +166,16 @@ def test_every_advantage_estimator_runs_three_steps(ray_session, tiny_model_dir,
     record = str(tmp_path / "rollouts.pt")
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": estimator, "trainer.total_steps": 3, "trainer.default_local_dir": str(tmp_path),
-        "trainer.record_rollouts": record}))
+        "trainer.record_rollouts": record, "rollout.calculate_log_probs": True}))
     trainer = PPOTrainer(cfg)
     history = trainer.fit()
     steps = [h for h in history if "actor/pg_loss" in h]
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in steps)
     assert all(("critic/vf_loss" in h) == (estimator in NEEDS_CRITIC) for h in steps)
     recorded = torch.load(record, weights_only=True)
+    for step in recorded.values():  # the engine's log-probs of its tokens travel with the batch
+        mask = step["response_mask"] != 0
+        assert torch.all(step["rollout_log_probs"][mask] < 0) and torch.all(step["rollout_log_probs"][~mask] == 0)
     if estimator == "remax":
         for step in recorded.values():
             baselines = step["reward_baselines"].reshape(-1, cfg.rollout.n)

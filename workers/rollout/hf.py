@@ -16,8 +16,10 @@ def assemble_rollout(
     max_response_length: int,
     pad_token_id: int,
     eos_token_id: int,
+    log_probs: list[list[float]] | None = None,
 ) -> TensorDict:
-    """The rollout batch of B*n rows (repeat_interleave order) from generated token lists."""
+    """The rollout batch of B*n rows (repeat_interleave order) from generated token lists, with
+    `rollout_log_probs` when the engine gave the log-prob of each generated token."""
     prompts = prompts.repeat_interleave(n, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
     responses, _ = right_pad(response_ids, pad_token_id, max_response_length)
@@ -26,17 +28,22 @@ def assemble_rollout(
     lengths = torch.tensor([min(len(r), max_response_length) for r in response_ids])
     response_mask &= (torch.arange(max_response_length)[None, :] < lengths[:, None]).long()
     attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
-    return TensorDict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-        },
-        batch_size=[prompts.shape[0]],
-    )
+    out = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+    }
+    if log_probs is not None:
+        padded = torch.zeros(responses.shape, dtype=torch.float32)
+        for row, values in enumerate(log_probs):
+            values = values[:max_response_length]
+            if values:
+                padded[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        out["rollout_log_probs"] = padded * response_mask
+    return TensorDict(out, batch_size=[prompts.shape[0]])
 
 
 class HFRollout:
@@ -83,12 +90,11 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, batch: TensorDict, *, n: int, do_sample: bool, seed: int | None = None,
                  return_log_probs: bool = False) -> TensorDict:
-        if return_log_probs:
-            raise NotImplementedError("rollout log-probs are produced by the vllm engine only; use rollout.name=vllm")
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         prompt_width = input_ids.shape[1]
         generator_seed = self.seed if seed is None else seed
         response_ids: list[list[int]] = []
+        log_probs: list[list[float]] = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             ids = input_ids[start : start + self.micro_batch_size].to(self.device)
             mask = attention_mask[start : start + self.micro_batch_size].to(self.device)
@@ -101,17 +107,31 @@ class HFRollout:
                 num_return_sequences=n if do_sample else 1,
                 pad_token_id=self.pad_token_id,
                 eos_token_id=self.eos_token_id,
+                output_scores=return_log_probs,
+                return_dict_in_generate=True,
                 **self._sampling_kwargs(do_sample),
             )
-            generated = out[:, prompt_width:].cpu()
+            generated = out.sequences[:, prompt_width:]
+            token_log_probs = None
+            if return_log_probs:
+                # out.scores holds each step's PROCESSED logits (temperature, top-k, top-p applied):
+                # the log-prob of the token under the distribution it was sampled from
+                token_log_probs = torch.stack([
+                    torch.log_softmax(scores.float(), dim=-1).gather(-1, generated[:, t : t + 1]).squeeze(-1)
+                    for t, scores in enumerate(out.scores)], dim=1).cpu()
+            generated = generated.cpu()
             if not do_sample and n > 1:
                 generated = generated.repeat_interleave(n, dim=0)
-            for row in generated.tolist():
+                token_log_probs = None if token_log_probs is None else token_log_probs.repeat_interleave(n, dim=0)
+            for index, row in enumerate(generated.tolist()):
                 if self.eos_token_id in row:
                     row = row[: row.index(self.eos_token_id) + 1]
                 response_ids.append(row)
+                if token_log_probs is not None:
+                    log_probs.append(token_log_probs[index, : len(row)].tolist())
         return assemble_rollout(
-            input_ids, attention_mask, response_ids, n, self.max_response_length, self.pad_token_id, self.eos_token_id
+            input_ids, attention_mask, response_ids, n, self.max_response_length, self.pad_token_id,
+            self.eos_token_id, log_probs if return_log_probs else None,
         )
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,86 @@
+"""The HF generate engine: rollout log-probs under the distribution actually sampled from.
+
+In process (no Ray): the engine's `rollout_log_probs` of the tokens it generated equal the actor's
+log-probs of the same tokens (workers/forward.response_log_probs, the path the update uses) at the
+sampling temperature, in float32 within 1e-5; with top-k they are those of the truncated,
+renormalised distribution; greedy gives log_softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlflow.protocol import left_pad, position_ids_from_mask
+from workers.forward import response_log_probs
+from workers.rollout.hf import HFRollout
+
+TOL = 1e-5
+
+
+def _prompts(vocab: int, pad: int) -> TensorDict:
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in (5, 2, 7, 3)]
+    ids, mask = left_pad(rows, pad)
+    return TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)},
+                      batch_size=[len(rows)])
+
+
+def _engine(model_dir: str, **sampling) -> HFRollout:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return HFRollout(model_dir, max_prompt_length=8, max_response_length=6, seed=3,
+                     pad_token_id=config.pad_token_id if config.pad_token_id is not None else config.eos_token_id,
+                     eos_token_id=config.eos_token_id, **sampling)
+
+
+def _masked_max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b).abs() * mask).max())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_equal_the_actors(tiny_model_dir, temperature):
+    engine = _engine(tiny_model_dir, temperature=temperature)
+    out = engine.generate(_prompts(engine.model.config.vocab_size, engine.pad_token_id), n=3, do_sample=True,
+                          seed=11, return_log_probs=True)
+    mask = out["response_mask"]
+    assert mask.sum() > 10 and out["rollout_log_probs"].shape == mask.shape
+    assert torch.all(out["rollout_log_probs"][mask == 0] == 0) and torch.all(out["rollout_log_probs"][mask != 0] < 0)
+    with torch.no_grad():
+        actor, _ = response_log_probs(engine.model, out, temperature)
+    assert _masked_max_diff(out["rollout_log_probs"], actor, mask) < TOL
+    # the same call without log-probs samples the same tokens and has no such key
+    plain = engine.generate(_prompts(engine.model.config.vocab_size, engine.pad_token_id), n=3, do_sample=True, seed=11)
+    assert "rollout_log_probs" not in plain.keys() and torch.equal(plain["responses"], out["responses"])
+
+
+def test_top_k_log_probs_are_the_truncated_distributions(tiny_model_dir):
+    top_k, temperature = 5, 0.8
+    engine = _engine(tiny_model_dir, temperature=temperature, top_k=top_k)
+    out = engine.generate(_prompts(engine.model.config.vocab_size, engine.pad_token_id), n=2, do_sample=True,
+                          seed=5, return_log_probs=True)
+    mask = out["response_mask"]
+    prompt_width = out["prompts"].shape[1]
+    with torch.no_grad():
+        logits = engine.model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                              position_ids=out["position_ids"]).logits.float()
+    logits = logits[:, prompt_width - 1 : prompt_width - 1 + mask.shape[1]] / temperature
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    truncated = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+    expected = truncated.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+    assert _masked_max_diff(out["rollout_log_probs"], expected, mask) < TOL
+    with torch.no_grad():
+        untruncated, _ = response_log_probs(engine.model, out, temperature)
+    assert _masked_max_diff(out["rollout_log_probs"], untruncated, mask) > 1e-3  # renormalised: larger
+
+
+def test_greedy_log_probs_are_the_raw_logits(tiny_model_dir):
+    engine = _engine(tiny_model_dir, temperature=0.5)
+    out = engine.generate(_prompts(engine.model.config.vocab_size, engine.pad_token_id), n=2, do_sample=False,
+                          return_log_probs=True)
+    with torch.no_grad():
+        actor, _ = response_log_probs(engine.model, out, 1.0)
+    assert _masked_max_diff(out["rollout_log_probs"], actor, out["response_mask"]) < TOL
+    assert torch.equal(out["rollout_log_probs"][0::2], out["rollout_log_probs"][1::2])  # n copies of one answer
