@@ -10,6 +10,7 @@ import torch
 
 from conftest import tiny_overrides
 from controllers.ppo import PPOTrainer, RLFlow
+from inspecting_workers import INSPECTABLE
 from rlflow import load_config
 from rlflow.protocol import BatchMeta
 
@@ -18,7 +19,7 @@ def test_ppo_dp2_actor_and_critic_receive_driver_metadata(ray_session, tiny_mode
     cfg = load_config(None, tiny_overrides(
         tiny_model_dir, **{"actor.dp_size": 2, "actor.ppo_micro_batch_size_per_gpu": 2, "trainer.total_steps": 2,
                            "trainer.default_local_dir": str(tmp_path)}))
-    trainer = PPOTrainer(cfg)
+    trainer = PPOTrainer(cfg, worker_classes=INSPECTABLE)
     trainer.setup()
     try:
         assert trainer.cfg.critic.dp_size == 2 and "critic" in trainer.groups
@@ -77,7 +78,7 @@ def test_weight_sync_changes_rollout_outputs(ray_session, tiny_model_dir, tmp_pa
                                                              "rollout.weight_sync": mode,
                                                              "trainer.default_local_dir": str(tmp_path)}))
     files_before = _weight_share_files()
-    trainer = PPOTrainer(cfg)
+    trainer = PPOTrainer(cfg, worker_classes=INSPECTABLE)
     trainer.setup()
     try:
         assert trainer.weight_sync == mode

@@ -35,8 +35,6 @@ class CriticWorker(TrainableWorker):
         self.model = self.wrap_for_training(model, critic.strategy)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
-        # what the last update saw, so tests can check the driver's metadata arrived intact
-        self.last_seen_meta = []
         return sum(p.numel() for p in model.parameters())
 
     def compute_values(self, td: TensorDict) -> TensorDict:
@@ -47,15 +45,6 @@ class CriticWorker(TrainableWorker):
             for idx in plan_micro_batches(td, micro_batch_size=self.cfg.critic.forward_micro_batch_size_per_gpu):
                 outputs.append(response_values(self.model, td[idx]) * td[idx]["response_mask"])
         return TensorDict({"values": torch.cat(outputs).cpu()}, batch_size=td.batch_size)
-
-    def update(self, shards: list[TensorDict]):
-        from rlflow.protocol import get_meta
-
-        self.last_seen_meta = [get_meta(shard) for shard in shards]
-        return super().update(shards)
-
-    def seen_meta(self):
-        return self.last_seen_meta
 
     def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
         critic = self.cfg.critic

@@ -74,12 +74,6 @@ class RolloutWorker(WorkerBase):
         """Load what the actor published (`published` is its call's result: Ray runs this after it)."""
         self.engine.load_weights(self._weight_share.views)  # the engine copies out of the views
 
-    def engine_state_dict(self) -> dict[str, torch.Tensor]:
-        """The HF engine's current weights (to check a sync landed); vLLM keeps its own copy."""
-        if self.engine_name != "hf":
-            raise NotImplementedError("engine_state_dict is available for the hf engine only")
-        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}
-
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:

@@ -1,0 +1,37 @@
+"""Test-only worker subclasses that let a test look inside a running worker (passed in with
+PPOTrainer(worker_classes=...)); production workers carry no such methods. Pickled by value: the
+Ray workers cannot import tests/."""
+
+from __future__ import annotations
+
+import sys
+
+import ray.cloudpickle
+import torch
+
+from rlflow.protocol import get_meta
+from workers.critic import CriticWorker
+from workers.rollout.worker import RolloutWorker
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class MetaRecordingCritic(CriticWorker):
+    """Keeps the BatchMeta of every shard of its last update."""
+
+    def update(self, shards):
+        self.last_seen_meta = [get_meta(shard) for shard in shards]
+        return super().update(shards)
+
+    def seen_meta(self):
+        return self.last_seen_meta
+
+
+class InspectableRollout(RolloutWorker):
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The HF engine's current weights (to check a sync landed)."""
+        assert self.engine_name == "hf", "the test reads the hf engine's model"
+        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}
+
+
+INSPECTABLE = {"critic": MetaRecordingCritic, "rollout": InspectableRollout}
