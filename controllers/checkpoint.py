@@ -37,7 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -51,10 +51,6 @@ ROLES = ("actor", "critic")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _MAX_HF_FILE = 200 * 2**20
-
-# Test hook: called with each file's relative path after it is written into the temporary folder
-# (tests raise from it to simulate a process killed in the middle of a save).
-_after_file_written: Callable[[str], None] | None = None
 
 
 class CheckpointError(RuntimeError):
@@ -138,8 +134,6 @@ class _Writer:
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         self.files[rel] = {"sha256": _sha256(path), "size": os.path.getsize(path)}
-        if _after_file_written is not None:
-            _after_file_written(rel)
 
     def torch_save(self, rel: str, obj: Any) -> None:
         _check_weights_only(obj, rel)

@@ -105,13 +105,10 @@ def resolve_worker_classes(overrides: dict[str, type] | None) -> dict[str, type]
 
 
 class PPOTrainer:
-    def __init__(self, config, capture_final_weights: bool = False, worker_classes: dict[str, type] | None = None):
+    def __init__(self, config, worker_classes: dict[str, type] | None = None):
         self.cfg: RLFlowConfig = to_dataclass(config)
         self.worker_classes = resolve_worker_classes(worker_classes)
         self.history: list[dict] = []
-        # tests: after fit, self.final_weights = {"actor": full state dict, "critic": ...}
-        self.capture_final_weights = capture_final_weights
-        self.final_weights: dict | None = None
         self.groups = {}
         self.pools = []
 
@@ -286,8 +283,6 @@ class PPOTrainer:
                     self.save_checkpoint(step + 1)
             if cfg.trainer.record_rollouts:
                 _atomic_torch_save(self.recorded, cfg.trainer.record_rollouts)
-            if self.capture_final_weights:
-                self.final_weights = self.gather_weights()
             self.tracker.close()
             return self.history
         finally:

@@ -108,8 +108,8 @@ class FitResult:
 def run_fit(model_dir: str, out_dir: str, workers: dict | None = None, **overrides) -> FitResult:
     """One real fit (Ray workers, gloo) with the initial and final actor and critic weights."""
     import exactness_workers
-    from controllers.ppo import PPOTrainer
     from rlflow import load_config
+    from trainers import CapturingTrainer
 
     settings = dict(BASE)
     settings["reward.custom_function.path"] = os.path.abspath(__file__)
@@ -117,7 +117,7 @@ def run_fit(model_dir: str, out_dir: str, workers: dict | None = None, **overrid
     settings.update(overrides)
     cfg = load_config(None, tiny_overrides(model_dir, **settings))
     start = time.perf_counter()
-    trainer = PPOTrainer(cfg, capture_final_weights=True, worker_classes=workers or exactness_workers.RECORDING)
+    trainer = CapturingTrainer(cfg, worker_classes=workers or exactness_workers.RECORDING)
     history = trainer.fit()
     seconds = time.perf_counter() - start
     assert trainer.final_weights and set(trainer.final_weights) == {"actor", "critic"}

@@ -253,16 +253,19 @@ def test_kill_during_save_keeps_previous_checkpoint(trained, tiny_model_dir, mon
     total = len(json.load(open(os.path.join(path, "manifest.json")))["files"])
     written = []
 
-    def die_half_way(rel):
+    file_written = ckpt._Writer._done
+
+    def die_half_way(writer, rel, path):
+        file_written(writer, rel, path)
         written.append(rel)
         if len(written) == total // 2:
             raise SimulatedKill(rel)
 
     advance(trainer, 3)
-    monkeypatch.setattr(ckpt, "_after_file_written", die_half_way)
+    monkeypatch.setattr(ckpt._Writer, "_done", die_half_way)  # the process "dies" after half the files
     with pytest.raises(SimulatedKill):
         ckpt.save(trainer, 3)
-    monkeypatch.setattr(ckpt, "_after_file_written", None)
+    monkeypatch.setattr(ckpt._Writer, "_done", file_written)
     leftovers = [n for n in os.listdir(root) if n.startswith(".tmp-step_3")]
     assert leftovers, "the simulated kill should leave a half-written folder behind"
     assert not os.path.exists(os.path.join(root, leftovers[0], "manifest.json"))

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_overrides
 from controllers.ppo import PPOTrainer, RLFlow
 from inspecting_workers import INSPECTABLE
+from trainers import CapturingTrainer
 from rlflow import load_config
 from rlflow.protocol import BatchMeta
 
@@ -125,7 +126,7 @@ def _one_on_policy_grpo_step(tmp_path, model_dir, name: str, skip: bool,
         "algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": 16, "trainer.total_steps": 1,
         "trainer.deterministic": True, "actor.skip_old_log_prob_when_on_policy": skip,
         "trainer.default_local_dir": str(tmp_path / name)}))
-    trainer = PPOTrainer(cfg, capture_final_weights=True, worker_classes=worker_classes)
+    trainer = CapturingTrainer(cfg, worker_classes=worker_classes)
     history = trainer.fit()
     return history[-1], trainer.final_weights["actor"]
 

@@ -65,11 +65,11 @@ def make_config(model_dir: str, base_dir: str, **overrides):
 
 def fit(model_dir: str, base_dir: str, fault_spec: str | None = None, return_trainer: bool = False, **overrides):
     """One fit; a new trainer (new worker processes) each time. fault_spec: tests/fault_workers.py."""
-    from controllers.ppo import PPOTrainer
     from fault_workers import faulty_workers
+    from trainers import CapturingTrainer
 
-    trainer = PPOTrainer(make_config(model_dir, base_dir, **overrides), capture_final_weights=True,
-                         worker_classes=faulty_workers(fault_spec) if fault_spec else None)
+    trainer = CapturingTrainer(make_config(model_dir, base_dir, **overrides),
+                               worker_classes=faulty_workers(fault_spec) if fault_spec else None)
     history = trainer.fit()
     return (history, trainer) if return_trainer else history
 
@@ -119,9 +119,9 @@ def checkpoint_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _clocked_trainer_class():
-    from controllers.ppo import PPOTrainer
+    from trainers import CapturingTrainer
 
-    class PPOTrainerWithStepClock(PPOTrainer):
+    class PPOTrainerWithStepClock(CapturingTrainer):
         """Records when each step (1-based) starts, to time how fast a fault is reported.
 
         step_timeout_s: after setup, the groups' remote-call timeout becomes this (setup itself runs
@@ -132,8 +132,7 @@ def _clocked_trainer_class():
         def __init__(self, config, step_timeout_s: float | None = None, fault_spec: str | None = None):
             from fault_workers import faulty_workers
 
-            super().__init__(config, capture_final_weights=True,
-                             worker_classes=faulty_workers(fault_spec) if fault_spec else None)
+            super().__init__(config, worker_classes=faulty_workers(fault_spec) if fault_spec else None)
             self.step_started: dict[int, float] = {}
             self.step_timeout_s = step_timeout_s
             self.setup_timeouts: dict[str, float] = {}
