@@ -213,6 +213,30 @@ def right_pad(sequences: list[list[int]], pad_token_id: int, length: int) -> tup
     return ids, mask
 
 
+def rollout_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                  response_mask: torch.Tensor, log_probs: list[list[float]] | None = None) -> TensorDict:
+    """The rollout batch (keys in docs/CONVENTIONS.md) from left-padded prompts and right-padded
+    responses with the engine's response mask; `rollout_log_probs` when the engine gave the
+    log-prob of each generated token (zero outside the mask)."""
+    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
+    out = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+    }
+    if log_probs is not None:
+        width = responses.shape[1]
+        padded = torch.zeros(responses.shape, dtype=torch.float32)
+        for row, values in enumerate(log_probs):
+            if values:
+                padded[row, : min(len(values), width)] = torch.tensor(values[:width], dtype=torch.float32)
+        out["rollout_log_probs"] = padded * response_mask
+    return TensorDict(out, batch_size=[prompts.shape[0]])
+
+
 def response_mask_from_ids(responses: torch.Tensor, eos_token_id: int, pad_token_id: int | None = None) -> torch.Tensor:
     """1 for generated tokens up to and including the first EOS; 0 after it."""
     is_eos = responses == eos_token_id

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlflow.protocol import position_ids_from_mask, response_mask_from_ids, right_pad
+from rlflow.protocol import response_mask_from_ids, right_pad, rollout_batch
 
 
 def assemble_rollout(
@@ -27,23 +27,7 @@ def assemble_rollout(
     # only tokens actually generated count (a row shorter than the width is padded)
     lengths = torch.tensor([min(len(r), max_response_length) for r in response_ids])
     response_mask &= (torch.arange(max_response_length)[None, :] < lengths[:, None]).long()
-    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
-    out = {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids_from_mask(attention_mask),
-    }
-    if log_probs is not None:
-        padded = torch.zeros(responses.shape, dtype=torch.float32)
-        for row, values in enumerate(log_probs):
-            values = values[:max_response_length]
-            if values:
-                padded[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        out["rollout_log_probs"] = padded * response_mask
-    return TensorDict(out, batch_size=[prompts.shape[0]])
+    return rollout_batch(prompts, prompt_mask, responses, response_mask, log_probs)
 
 
 class HFRollout:

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 from tensordict import TensorDict
 
-from rlflow.protocol import position_ids_from_mask, right_pad
+from rlflow.protocol import right_pad, rollout_batch
 
 __all__ = ["VLLMRollout", "RlflowWorkerExtension", "DEFAULT_WEIGHT_CHUNK_BYTES"]
 
@@ -315,22 +315,7 @@ class VLLMRollout:
         prompts = prompts.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0).long()
         response_ids, response_mask = right_pad(responses, self.pad_token_id, R)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        out = {
-            "prompts": prompts,
-            "responses": response_ids,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompts, response_ids], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-        }
-        if log_probs is not None:
-            lp = torch.zeros((len(responses), R), dtype=torch.float32)
-            for row, values in enumerate(log_probs):
-                if values:
-                    lp[row, : len(values)] = torch.tensor(values[:R], dtype=torch.float32)
-            out["rollout_log_probs"] = lp * response_mask
-        return TensorDict(out, batch_size=[prompts.shape[0]])
+        return rollout_batch(prompts, prompt_mask, response_ids, response_mask, log_probs)
 
     @torch.no_grad()
     def score_log_probs(self, batch: TensorDict) -> torch.Tensor:
