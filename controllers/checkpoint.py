@@ -3,7 +3,7 @@
 A checkpoint is the folder ``<run_dir>/checkpoints/step_<N>/`` (N = steps done)::
 
     manifest.json              format, step, and the sha256 + size of every other file
-    trainer_state.pt           step, dataloader position, KL controller, driver RNGs, history
+    trainer_state.pt           step, driver RNGs, and the driver state (data position, KL controller, history)
     run_config.json            the run's config (for a human, and to warn when a resume differs)
     actor/model.safetensors    full (unsharded) weights; tied weights stored once (metadata)
     actor/optimizer.pt         {"optimizer": by parameter name, "scheduler": ...}
@@ -43,11 +43,10 @@ import torch
 
 from rlflow.config import config_to_dict
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the driver state under "driver"; recorded rollouts no longer inside
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
-ROLES = ("actor", "critic")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _MAX_HF_FILE = 200 * 2**20
@@ -67,23 +66,23 @@ def checkpoint_root(run_dir: str) -> str:
 
 
 def save(trainer, step: int) -> str:
-    """Write the checkpoint of `step` (steps done) atomically; returns its folder."""
+    """Write the checkpoint of `step` (steps done) atomically; returns its folder.
+
+    `trainer` provides cfg, run_dir, model_path, trained_groups() ({role: group} of the roles that
+    train) and driver_state() (weights_only-loadable data: data position, KL controller, history).
+    """
     cfg = trainer.cfg
     root = checkpoint_root(trainer.run_dir)
     os.makedirs(root, exist_ok=True)
     # 1. collect everything first (a collective on the FSDP2 ranks), so a failing worker leaves
     #    no folder at all
-    role_states = {role: trainer.groups[role].call_all("state_for_checkpoint") for role in ROLES if role in trainer.groups}
+    role_states = {role: group.call_all("state_for_checkpoint") for role, group in trainer.trained_groups().items()}
     trainer_state = {
         "format": FORMAT_VERSION,
         "step": int(step),
-        "dataloader": trainer.loader.state_dict(),
-        "kl_ctrl": trainer.kl_ctrl.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
-        "history": list(trainer.history),
-        "recorded": dict(getattr(trainer, "recorded", {}) or {}),
-        "model_path": str(getattr(trainer, "model_path", "")),
+        "driver": trainer.driver_state(),
     }
     # 2. write into a temporary folder beside the final one
     final = os.path.join(root, f"step_{step}")
@@ -100,7 +99,7 @@ def save(trainer, step: int) -> str:
             writer.torch_save(f"{role}/rng.pt", {"per_rank": [s.get("rng") for s in states]})
         writer.torch_save(TRAINER_STATE, trainer_state)
         writer.json("run_config.json", config_to_dict(cfg))
-        model_path = getattr(trainer, "model_path", None)
+        model_path = trainer.model_path
         if model_path and os.path.isdir(model_path):
             for name in _hf_side_files(model_path):
                 writer.copy(os.path.join(model_path, name), f"hf/{name}")
@@ -436,14 +435,11 @@ def load(trainer, ckpt_dir: str) -> int:
     files = manifest["files"]
     state = _torch_load(ckpt_dir, TRAINER_STATE)
     _warn_config_changes(ckpt_dir, trainer.cfg)
-    for role in ROLES:
-        group = trainer.groups.get(role)
-        stored = f"{role}/model.safetensors" in files
-        if group is None:
-            if stored:
-                _warn(f"checkpoint {ckpt_dir} has {role} state but this run has no {role}; it is ignored")
-            continue
-        if not stored:
+    groups = trainer.trained_groups()
+    for role in sorted(set(manifest.get("roles", [])) - set(groups)):
+        _warn(f"checkpoint {ckpt_dir} has {role} state but this run has no {role}; it is ignored")
+    for role, group in groups.items():
+        if f"{role}/model.safetensors" not in files:
             raise CheckpointError(f"checkpoint {ckpt_dir} has no {role} state, but this run trains a {role}")
         model = _load_model_file(ckpt_dir, f"{role}/model.safetensors")
         optim = _torch_load(ckpt_dir, f"{role}/optimizer.pt")
@@ -456,15 +452,10 @@ def load(trainer, ckpt_dir: str) -> int:
         futures = group.call_per_rank_async(
             "load_checkpoint_state", [(payload, per_rank[r] if r < len(per_rank) else None) for r in range(group.world_size)])
         group.gather(futures, "load_checkpoint_state")
-    trainer.loader.load_state_dict(state["dataloader"])
-    trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
     torch.set_rng_state(state["torch_rng"])
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
-    trainer.history = list(state["history"])
-    if getattr(trainer, "recorded", None) is not None:
-        trainer.recorded = dict(state.get("recorded") or {})
-    trainer.sync_weights()  # the rollout engine generates with the restored actor
+    trainer.load_driver_state(state["driver"], int(state["step"]))
     step = int(state["step"])
     print(f"rlflow: resumed from {ckpt_dir} (step {step})", file=sys.stderr)
     return step

@@ -1,9 +1,10 @@
 """The single controller: the PPO/GRPO fit loop on the Ray driver.
 
-rollout -> reward -> ref/old log-probs and values (concurrently) -> KL -> advantages -> for each
-ppo epoch a seeded shuffle into mini-batches, BatchMeta computed here for each whole mini-batch
-and attached to every dp shard -> actor and critic updates dispatched concurrently -> metric
-reduction -> weight sync -> validation / logging / checkpoint.
+rollout and reward (a rollout source, controllers/rollout_source.py) -> every role's forward
+(old and reference log-probs, values, ...; concurrently) -> KL -> advantages -> for each ppo epoch
+a seeded shuffle into mini-batches, BatchMeta computed here for each whole mini-batch and attached
+to every dp shard -> every trained role's update (actor, critic; concurrently) -> metric reduction
+-> weight sync -> validation / logging / checkpoint. The roles are data (controllers/roles.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tensordict import TensorDict
 
+from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
 from rlflow.config import RLFlowConfig, config_to_dict, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
@@ -29,7 +31,9 @@ CONSOLE_KEYS = (
     "reward/score_mean", "reward/acc_mean", "val/acc_mean", "val/score_mean", "actor/pg_loss", "critic/vf_loss",
     "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "response/length_mean", "timing/gen", "timing/update", "timing/step",
 )
-ROLLOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
+# what the step keeps of the rollout's batch (the estimator's declared inputs are added to it)
+STEP_KEYS = MODEL_INPUT_KEYS + ("group_index", "token_level_scores")
+OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs")
 
 
 class Timer:
@@ -84,33 +88,25 @@ def load_tokenizer(path: str):
 
 
 def default_worker_classes() -> dict[str, type]:
-    """The worker class of each role."""
-    from workers.actor import ActorWorker, ReferenceWorker
-    from workers.critic import CriticWorker
-    from workers.rollout.worker import RolloutWorker
-
-    return {"actor": ActorWorker, "critic": CriticWorker, "reference": ReferenceWorker, "rollout": RolloutWorker}
-
-
-def resolve_worker_classes(overrides: dict[str, type] | None) -> dict[str, type]:
-    """The defaults, with a subclass per role where the caller passes one (custom or test workers)."""
-    classes = default_worker_classes()
-    for role, cls in (overrides or {}).items():
-        if role not in classes:
-            raise ValueError(f"worker_classes: unknown role {role!r}; roles: {', '.join(classes)}")
-        if not (isinstance(cls, type) and issubclass(cls, classes[role])):
-            raise TypeError(f"worker_classes[{role!r}] must be a subclass of {classes[role].__name__}, got {cls!r}")
-        classes[role] = cls
-    return classes
+    """The worker class of each default role."""
+    return {name: role.worker_class() for name, role in resolve_roles().items()}
 
 
 class PPOTrainer:
-    def __init__(self, config, worker_classes: dict[str, type] | None = None):
+    """roles: extra or replacing role declarations (controllers/roles.py); worker_classes:
+    {role: subclass of that role's worker} (custom or test workers)."""
+
+    def __init__(self, config, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None):
         self.cfg: RLFlowConfig = to_dataclass(config)
-        self.worker_classes = resolve_worker_classes(worker_classes)
+        self.roles = resolve_roles(roles, worker_classes)
         self.history: list[dict] = []
         self.groups = {}
         self.pools = []
+        self.weight_version = 0  # training steps whose update the rollout's weights include
+
+    @property
+    def worker_classes(self) -> dict[str, type]:
+        return {name: role.worker_class() for name, role in self.roles.items()}
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -125,17 +121,25 @@ class PPOTrainer:
         self._setup_reward()
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
-        self.replay = None
-        if cfg.trainer.replay_rollouts:
-            self.replay = torch.load(cfg.trainer.replay_rollouts, weights_only=True)
-            missing = [s for s in range(cfg.trainer.total_steps) if s not in self.replay]
-            if missing:
-                raise ValueError(f"trainer.replay_rollouts={cfg.trainer.replay_rollouts} has no rollout for steps {missing[:5]}")
-        self.recorded: dict = {}
+        from controllers.rollout_source import ReplaySource
+
+        replay = ReplaySource(cfg.trainer.replay_rollouts, cfg.trainer.total_steps) if cfg.trainer.replay_rollouts else None
+        self.active_roles = enabled_roles(self.roles, cfg)
         from controllers.cluster import ensure_ray
 
-        ensure_ray(cfg)
+        ensure_ray(cfg, [role.dp_size(cfg) for role in self.active_roles.values()])
         self._setup_workers()
+        self.source = self._make_source(replay)
+
+    def _make_source(self, replay):
+        from controllers.rollout_source import GeneratingSource, RecordingSource
+
+        cfg = self.cfg
+        source = replay or GeneratingSource(cfg, self.loader, self.groups["rollout"], self.score,
+                                            weight_version=lambda: self.weight_version)
+        if cfg.trainer.record_rollouts:
+            source = RecordingSource(source, cfg.trainer.record_rollouts)
+        return source
 
     def _setup_data(self) -> None:
         from rlflow.data.dataset import PromptDataset, StatefulDataLoader
@@ -158,60 +162,52 @@ class PPOTrainer:
         self.loader = StatefulDataLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
 
     def _setup_reward(self) -> None:
+        from controllers.rollout_source import Scorer
         from rlflow.rewards import RewardManager, compute_score, load_custom_reward_fn
 
         custom = self.cfg.reward.custom_function
         fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else compute_score
-        self.reward = RewardManager(fn, on_error=self.cfg.reward.on_error)
+        self.score = Scorer(self.tokenizer, RewardManager(fn, on_error=self.cfg.reward.on_error))
 
     def _setup_workers(self) -> None:
         from controllers.worker_group import RayWorkerGroup, ResourcePool
+        from workers.base import worker_threads
 
-        cfg = self.cfg
-        classes = self.worker_classes
-        roles = {"actor": (classes["actor"], cfg.actor.dp_size)}
-        if self.needs_rollout():
-            roles["rollout"] = (classes["rollout"], cfg.rollout.dp_size)
-        if cfg.critic.enable:
-            roles["critic"] = (classes["critic"], cfg.critic.dp_size)
-        if cfg.reference.enable:
-            roles["reference"] = (classes["reference"], 1)
+        cfg, roles = self.cfg, self.active_roles
+        sizes = {name: role.dp_size(cfg) for name, role in roles.items()}
         use_gpu = _cluster_gpus() > 0
         per_worker = cfg.trainer.cpus_per_worker
+        threads = worker_threads(sum(sizes.values()))
         env = dict(_worker_env())
         if cfg.trainer.colocate:
-            bundles = max(size for _, size in roles.values())
-            pool = ResourcePool(bundles, per_worker * len(roles), int(use_gpu), name="colocated")
+            pool = ResourcePool(max(sizes.values()), per_worker * len(roles), int(use_gpu), name="colocated")
             self.pools = [pool]
-            pools = {role: pool for role in roles}
+            pools = {name: pool for name in roles}
         else:
-            pools = {role: ResourcePool(size, per_worker, int(use_gpu), name=role) for role, (_, size) in roles.items()}
+            pools = {name: ResourcePool(size, per_worker, int(use_gpu), name=name) for name, size in sizes.items()}
             self.pools = list(pools.values())
         gpus = (1.0 / len(roles) if cfg.trainer.colocate else 1.0) if use_gpu else 0.0
         # the groups start concurrently: each waits for its processes to import torch & co
         with ThreadPoolExecutor(max_workers=len(roles)) as executor:
-            starting = {role: executor.submit(RayWorkerGroup, cls, role, size, cfg, pools[role], per_worker, gpus, env=env)
-                        for role, (cls, size) in roles.items()}
+            starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, sizes[name], cfg, pools[name],
+                                              per_worker, gpus, env=env, num_threads=threads)
+                        for name, role in roles.items()}
             errors = []
-            for role, future in starting.items():
+            for name, future in starting.items():
                 try:
-                    self.groups[role] = future.result()
+                    self.groups[name] = future.result()
                 except Exception as err:  # noqa: BLE001 - the first is re-raised once all have settled
                     errors.append(err)
             if errors:
                 raise errors[0]
-        total = cfg.trainer.total_steps
-        inits = {"actor": self.groups["actor"].call_all_async("init_model", self.model_path, total)}
-        if "rollout" in self.groups:
-            inits["rollout"] = self.groups["rollout"].call_all_async(
-                "init_engine", self.model_path, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
-        if "critic" in self.groups:
-            inits["critic"] = self.groups["critic"].call_all_async("init_model", self.critic_path, total)
-        if "reference" in self.groups:
-            inits["reference"] = self.groups["reference"].call_all_async("init_model", self.model_path)
-        for role, futures in inits.items():
-            self.groups[role].gather(futures, "init", startup=True)
-        self.num_params = self.groups["actor"].gather(self.groups["actor"].call_all_async("ping"), "ping")
+        context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
+                             self.tokenizer.eos_token_id)
+        inits = {}
+        for name, role in roles.items():
+            method, args = role.init(context)
+            inits[name] = (method, self.groups[name].call_all_async(method, *args))
+        for name, (method, futures) in inits.items():
+            self.groups[name].gather(futures, method, startup=True)
         self.weight_sync = self._setup_weight_sync()
 
     def _setup_weight_sync(self) -> str:
@@ -240,11 +236,6 @@ class PPOTrainer:
             print(f"[rlflow] weight sync through Ray's object store (shared memory unavailable: {err})", flush=True)
             return "object_store"
         return "shared_memory"
-
-    def needs_rollout(self) -> bool:
-        """Replaying recorded rollouts without validation generates nothing: no rollout group."""
-        trainer = self.cfg.trainer
-        return not trainer.replay_rollouts or trainer.val_before_train or trainer.test_freq > 0
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -281,84 +272,22 @@ class PPOTrainer:
                 # after the history has this step: a checkpoint holds the history up to its step
                 if cfg.trainer.save_freq > 0 and ((step + 1) % cfg.trainer.save_freq == 0 or is_last):
                     self.save_checkpoint(step + 1)
-            if cfg.trainer.record_rollouts:
-                _atomic_torch_save(self.recorded, cfg.trainer.record_rollouts)
             self.tracker.close()
             return self.history
         finally:
             self.shutdown()
 
-    def _next_rollout(self, step: int, timer: Timer) -> tuple[TensorDict, dict]:
-        cfg = self.cfg
-        n = cfg.rollout.n
-        if self.replay is not None:
-            record = self.replay[step]
-            batch = TensorDict({k: v for k, v in record.items() if isinstance(v, torch.Tensor)},
-                               batch_size=[record["responses"].shape[0]])
-            return batch, {"acc": record.get("acc")}
-        from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
-
-        prompts = next(self.loader)
-        rows = {key: get_row_data(prompts, key) for key in ROW_DATA_KEYS}
-        prompts = prompts.select("input_ids", "attention_mask", "position_ids")
-        with timer("gen"):
-            batch = self.groups["rollout"].dispatch_dp(
-                "generate", prompts, n, cfg.rollout.do_sample, self._sampling_seed(step), cfg.rollout.calculate_log_probs)
-        num_prompts = prompts.batch_size[0]
-        batch["group_index"] = torch.arange(num_prompts).repeat_interleave(n) + step * num_prompts
-        with timer("reward"):
-            scores, extras = self._score(batch, {k: [v for v in vals for _ in range(n)] for k, vals in rows.items()})
-        batch["token_level_scores"] = scores
-        if "reward_baselines" in estimator_inputs(cfg.algorithm.adv_estimator):
-            # ReMax's baseline: the score of each prompt's greedy response, shared by its n samples
-            with timer("gen"):
-                greedy = self.groups["rollout"].dispatch_dp("generate", prompts, 1, False, self._sampling_seed(step))
-            with timer("reward"):
-                greedy_scores, _ = self._score(greedy, rows)
-            batch["reward_baselines"] = greedy_scores.sum(-1).repeat_interleave(n)
-        if "acc" in extras:
-            batch["acc"] = torch.tensor(extras["acc"], dtype=torch.float32)
-        if cfg.trainer.record_rollouts:
-            self.recorded[step] = {k: batch[k].clone() for k in batch.keys()}
-        return batch, extras
-
-    def _sampling_seed(self, step: int) -> int:
-        return self.cfg.trainer.seed * 1_000_003 + step
-
-    def _score(self, batch: TensorDict, rows: dict) -> tuple[torch.Tensor, dict]:
-        responses = batch["responses"]
-        mask = batch["response_mask"]
-        texts = [self.tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-                 for ids, m in zip(responses, mask)]
-        scores, extras, num_errors = self.reward.score_batch(texts, rows["data_source"], rows["ground_truth"], rows["extra_info"])
-        token_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        lengths = mask.sum(-1).long()
-        for row, (score, length) in enumerate(zip(scores, lengths.tolist())):
-            token_scores[row, max(length - 1, 0)] = float(score)  # the last valid response token
-        extras = dict(extras)
-        extras["num_reward_errors"] = num_errors
-        return token_scores, extras
-
     def train_step(self, step: int) -> dict:
-        cfg = self.cfg
         timer = Timer()
         with timer("step"):
-            batch, extras = self._next_rollout(step, timer)
-            batch = batch.select(*ROLLOUT_KEYS, "group_index", "token_level_scores",
-                                 *(k for k in ("acc", "reward_baselines", "rollout_log_probs") if k in batch.keys()))
-            model_batch = batch.select(*ROLLOUT_KEYS)
+            rollout = self.source.next(step, timer)
+            if rollout.weight_version != step:
+                raise RuntimeError(f"the rollout of step {step + 1} was generated by the weights after "
+                                   f"{rollout.weight_version} steps, not {step}: the loop trains on-policy")
+            batch = rollout.batch.select(*STEP_KEYS, *(k for k in OPTIONAL_STEP_KEYS if k in rollout.batch.keys()))
             on_policy = self.update_is_on_policy(batch.batch_size[0])
-            # independent forwards, dispatched together
             with timer("forward"):
-                futures = {}
-                if not on_policy:
-                    futures["old_log_probs"] = self.groups["actor"].dispatch_dp_async("compute_log_prob", model_batch)
-                if "reference" in self.groups:
-                    futures["ref_log_prob"] = self.groups["reference"].dispatch_dp_async("compute_ref_log_prob", model_batch)
-                if "critic" in self.groups:
-                    futures["values"] = self.groups["critic"].dispatch_dp_async("compute_values", model_batch)
-                for key, fut in futures.items():
-                    batch[key] = self.groups[_role_of(key)].collect_dp(fut, key)[key]
+                self._forward(batch, on_policy)
             metrics = {}
             with timer("adv"):
                 self._apply_kl_and_advantages(batch, metrics)
@@ -366,9 +295,22 @@ class PPOTrainer:
                 metrics.update(self._update(batch, step, on_policy))
             with timer("sync"):
                 self.sync_weights()
-        metrics.update(self._batch_metrics(batch, extras))
+                self.weight_version = step + 1
+        metrics.update(self._batch_metrics(batch, rollout.extras))
         metrics.update({f"timing/{k}": v for k, v in timer.seconds.items()})
         return metrics
+
+    def _forward(self, batch: TensorDict, on_policy: bool) -> None:
+        """Every role's no-grad pass over the batch (old log-probs, reference log-probs, values,
+        ...), dispatched together; each adds the key it produces."""
+        model_batch = batch.select(*MODEL_INPUT_KEYS)
+        pending = {}
+        for name, role in self.active_roles.items():
+            if role.forward is not None and role.forward.when(self.cfg, on_policy):
+                pending[name] = self.groups[name].dispatch_dp_async(role.forward.method, model_batch)
+        for name, futures in pending.items():
+            forward = self.active_roles[name].forward
+            batch[forward.produces] = self.groups[name].collect_dp(futures, forward.method)[forward.produces]
 
     def _apply_kl_and_advantages(self, batch: TensorDict, metrics: dict) -> None:
         cfg, algo = self.cfg, self.cfg.algorithm
@@ -438,22 +380,20 @@ class PPOTrainer:
                 and num_rows <= actor.ppo_mini_batch_size and not self.cfg.algorithm.use_kl_in_reward)
 
     def _update(self, batch: TensorDict, step: int, on_policy: bool) -> dict:
-        actor_keys = (ROLLOUT_KEYS + ("advantages",) + (() if on_policy else ("old_log_probs",))
-                      + (("ref_log_prob",) if self.cfg.actor.use_kl_loss else ()))
+        """Every trained role's update, dispatched together: per rank, its shards of every mini-batch."""
         pending = {}
-        pending["actor"] = self.groups["actor"].call_per_rank_async(
-            "update", [(shards,) for shards in self.plan_minibatches(batch.select(*actor_keys), "actor", step)])
-        if "critic" in self.groups:
-            critic_keys = ROLLOUT_KEYS + ("values", "returns")
-            pending["critic"] = self.groups["critic"].call_per_rank_async(
-                "update", [(shards,) for shards in self.plan_minibatches(batch.select(*critic_keys), "critic", step)])
+        for name, role in self.active_roles.items():
+            if role.trains:
+                keys = role.update_keys(self.cfg, on_policy)
+                shards = self.plan_minibatches(batch.select(*keys), role.section or name, step)
+                pending[name] = self.groups[name].call_per_rank_async("update", [(s,) for s in shards])
         metrics = {}
-        for role, futures in pending.items():
-            per_rank = self.groups[role].gather(futures, "update")
+        for name, futures in pending.items():
+            per_rank = self.groups[name].gather(futures, "update")
             num_minibatches = len(per_rank[0])
             per_minibatch = [reduce_metrics(rec for rank in per_rank for rec in rank[j]) for j in range(num_minibatches)]
             metrics.update(mean_over_minibatches(per_minibatch))
-            skipped = f"{role}/skipped_minibatches"  # a count (nan_policy=skip), not a mean
+            skipped = f"{name}/skipped_minibatches"  # a count (nan_policy=skip), not a mean
             if any(skipped in m for m in per_minibatch):
                 metrics[skipped] = float(sum(m.get(skipped, 0.0) for m in per_minibatch))
         return metrics
@@ -474,17 +414,17 @@ class PPOTrainer:
         loads = self.groups["rollout"].call_all_async("load_weights", weights[0])
         self.groups["rollout"].gather(loads, "load_weights")
         # the loads succeeded, so rank 0's get_weights did: fetching its state dict into the driver
-        # as well would only copy it through the object store (measured ~11 ms a step at 0.9M
-        # parameters); the other ranks return {} under FSDP2
+        # as well would only copy it through the object store; the other ranks return {} under FSDP2
         actor.gather_ranks(weights[1:], "get_weights", ranks=list(range(1, len(weights))))
+
+    def trained_groups(self) -> dict:
+        """{role: worker group} of the roles that train (updated, checkpointed, gathered)."""
+        return {name: self.groups[name] for name, role in self.active_roles.items() if role.trains}
 
     def gather_weights(self) -> dict[str, dict[str, torch.Tensor]]:
         """The full (unsharded) state dict of each trained role, from its rank 0."""
-        weights = {}
-        for role in ("actor", "critic"):
-            if role in self.groups:
-                weights[role] = self.groups[role].call_all("get_weights")[0]  # a collective under FSDP2
-        return weights
+        # a collective under FSDP2: every rank calls
+        return {name: group.call_all("get_weights")[0] for name, group in self.trained_groups().items()}
 
     def _batch_metrics(self, batch: TensorDict, extras: dict) -> dict:
         mask = batch["response_mask"].float()
@@ -521,9 +461,10 @@ class PPOTrainer:
             rows = {key: get_row_data(chunk, key) for key in ROW_DATA_KEYS}
             prompts = chunk.select("input_ids", "attention_mask", "position_ids")
             pad = (-prompts.batch_size[0]) % cfg.rollout.dp_size
-            out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), 1, cfg.rollout.val_do_sample, 0)
+            out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), 1, cfg.rollout.val_do_sample, 0,
+                                                     False, cfg.rollout.val_temperature)
             out = out[: prompts.batch_size[0]]
-            token_scores, extras = self._score(out, rows)
+            token_scores, extras = self.score(out, rows)
             scores.extend(token_scores.sum(-1).tolist())
             accs.extend(extras.get("acc", []))
             lengths.extend(out["response_mask"].sum(-1).tolist())
@@ -532,12 +473,21 @@ class PPOTrainer:
             metrics["val/acc_mean"] = sum(accs) / len(accs)
         return metrics
 
-    # -- checkpoints (hooks; see controllers/checkpoint.py) ------------------------------------------
+    # -- checkpoints (controllers/checkpoint.py saves the trained roles and this driver state) -----
+    def driver_state(self) -> dict:
+        return {"dataloader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "history": list(self.history), "model_path": str(self.model_path)}
+
+    def load_driver_state(self, state: dict, step: int) -> None:
+        self.loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.history = list(state["history"])
+        self.sync_weights()  # the rollout engine generates with the restored actor
+        self.weight_version = step
+
     def maybe_resume(self) -> int:
-        try:
-            from controllers.checkpoint import resume
-        except ImportError:
-            return 0
+        from controllers.checkpoint import resume
+
         return resume(self)
 
     def save_checkpoint(self, step: int) -> None:
@@ -558,20 +508,17 @@ class PPOTrainer:
 class RLFlow:
     """The Python API: `RLFlow(config).fit()` returns the per-step metrics history.
 
-    worker_classes: {role: subclass of that role's worker} to run custom workers."""
+    worker_classes: {role: subclass of that role's worker} to run custom workers; roles: extra
+    role declarations (controllers/roles.py)."""
 
-    def __init__(self, config=None, worker_classes: dict[str, type] | None = None):
+    def __init__(self, config=None, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None):
         from rlflow.config import load_config
 
         self.config = load_config() if config is None else config
-        self.trainer = PPOTrainer(self.config, worker_classes=worker_classes)
+        self.trainer = PPOTrainer(self.config, worker_classes=worker_classes, roles=roles)
 
     def fit(self) -> list[dict]:
         return self.trainer.fit()
-
-
-def _role_of(key: str) -> str:
-    return {"old_log_probs": "actor", "ref_log_prob": "reference", "values": "critic"}[key]
 
 
 def _pad_rows(td: TensorDict, pad: int) -> TensorDict:
@@ -592,13 +539,7 @@ def _worker_env() -> dict:
     keep = ("RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     # OpenMP threads that spin while waiting burn the cores the other colocated workers (and any
-    # other load) need: measured on a 2-core machine, a worker's forward/backward ran 10-35x
-    # slower with the default policy. Sleeping waiters change no result. The user's value wins.
+    # other load) need, and slow every worker down (docs/BENCHMARKS.md). Sleeping waiters change no
+    # result. The user's value wins.
     env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     return env
-
-
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

@@ -104,7 +104,7 @@ class RayWorkerGroup:
     """`world_size` Ray actors of `worker_cls`, one per rank, in one torch.distributed group."""
 
     def __init__(self, worker_cls, role: str, world_size: int, cfg, pool: ResourcePool,
-                 num_cpus: float, num_gpus: float = 0.0, env: dict | None = None):
+                 num_cpus: float, num_gpus: float = 0.0, env: dict | None = None, num_threads: int = 1):
         from workers.wire import install as install_tensor_wire
 
         install_tensor_wire()  # batches the driver sends cross Ray as numpy buffers (workers/wire.py)
@@ -129,7 +129,7 @@ class RayWorkerGroup:
             )
             if env:
                 options["runtime_env"] = {"env_vars": dict(env)}
-            self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size))
+            self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size, num_threads))
         # the group picks rank 0's address and a free port on its host
         master_addr, master_port = self._get([self.workers[0].node_address.remote()], "node_address", ranks=[0],
                                              startup=True)[0]

@@ -127,12 +127,13 @@ class CriticConfig:
 @dataclass
 class ReferenceConfig:
     enable: bool | None = None  # None: on when a KL term is used
+    dp_size: int = 1  # ranks that split the reference forward (data-parallel like the actor's)
     log_prob_micro_batch_size_per_gpu: int = 64
 
 
 @dataclass
 class RolloutConfig:
-    name: str = "auto"  # hf | vllm | auto (vllm when importable)
+    name: str = "auto"  # hf | vllm | auto (vllm when importable) | <module>:<RolloutEngine subclass>
     dp_size: int = 1
     n: int = 4
     temperature: float = 1.0
@@ -141,7 +142,8 @@ class RolloutConfig:
     do_sample: bool = True
     val_do_sample: bool = False
     val_temperature: float = 1.0
-    calculate_log_probs: bool = False
+    # rollout_log_probs: each sampled token's log-prob under the distribution it was drawn from
+    calculate_log_probs: bool = True
     micro_batch_size: int = 256  # prompts per HF generate call
     dtype: str = "float32"
     gpu_memory_utilization: float = 0.1
@@ -215,8 +217,8 @@ class TrainerConfig:
     max_to_keep: int = 2
     seed: int = 0
     deterministic: bool = False
-    replay_rollouts: str | None = None  # a recorded rollout file to train on instead of generating
-    record_rollouts: str | None = None  # write each step's rollout batch here
+    replay_rollouts: str | None = None  # a folder of recorded rollouts to train on instead of generating
+    record_rollouts: str | None = None  # a folder: each step's rollout batch is written to step_<N>.pt
     remote_timeout_s: float = 600.0  # every remote call and collective of a step
     startup_timeout_s: float = 900.0  # spawning workers and loading models (at least remote_timeout_s)
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
@@ -425,12 +427,18 @@ def validate_config(cfg: DictConfig) -> None:
           f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _need(algo.kl_ctrl.type in ("fixed", "adaptive"),
           f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is not one of fixed, adaptive")
-    _need(rollout.name in ROLLOUT_NAMES, f"rollout.name={rollout.name!r} is not one of {', '.join(ROLLOUT_NAMES)}")
+    _need(rollout.name in ROLLOUT_NAMES or ":" in rollout.name,
+          f"rollout.name={rollout.name!r} is not one of {', '.join(ROLLOUT_NAMES)} (or <module>:<RolloutEngine subclass>)")
     _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
     _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
           f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
     _need(data.train_batch_size % rollout.dp_size == 0,
           f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
+    if cfg.reference.enable:
+        ref_dp = cfg.reference.dp_size
+        _need(ref_dp >= 1, f"reference.dp_size must be >= 1, got {ref_dp}")
+        _need(sequences_per_step % ref_dp == 0,
+              f"reference.dp_size={ref_dp} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
     _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _need(rollout.temperature > 0, f"rollout.temperature must be > 0, got {rollout.temperature}")
     for name in trainer.logger:
@@ -452,4 +460,5 @@ def validate_config(cfg: DictConfig) -> None:
         sched = cfg[opt_role].optim.lr_scheduler
         _need(sched in ("constant", "cosine"), f"{opt_role}.optim.lr_scheduler={sched!r} is not one of constant, cosine")
     if trainer.replay_rollouts is not None:
-        _need(os.path.isfile(trainer.replay_rollouts), f"trainer.replay_rollouts: file not found: {trainer.replay_rollouts}")
+        _need(os.path.isdir(trainer.replay_rollouts),
+              f"trainer.replay_rollouts={trainer.replay_rollouts}: not a folder of recorded rollouts (trainer.record_rollouts writes one)")

@@ -329,8 +329,8 @@ class WandbTracker(Tracker):
 def _wait_for_wandb_run_file(run_path: str, timeout_s: float = 10.0) -> None:
     """Wait until wandb's service has written the offline run's transaction log.
 
-    run.finish() can return before it does (wandb 0.31, measured: 3 of 8 runs still had only the
-    7-byte header 50 ms after finish): a process that exits, or a reader, would see an empty run.
+    run.finish() can return before it does (seen with wandb 0.31: the file still held only its
+    7-byte header after finish): a process that exits, or a reader, would see an empty run.
     The rest arrives in one write, so: wait for more than the header, then for the size to settle.
     wandb.teardown() would flush too, but it also ends every other wandb run of the process.
     """

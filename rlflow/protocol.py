@@ -213,12 +213,29 @@ def right_pad(sequences: list[list[int]], pad_token_id: int, length: int) -> tup
     return ids, mask
 
 
-def rollout_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                  response_mask: torch.Tensor, log_probs: list[list[float]] | None = None) -> TensorDict:
-    """The rollout batch (keys in docs/CONVENTIONS.md) from left-padded prompts and right-padded
-    responses with the engine's response mask; `rollout_log_probs` when the engine gave the
-    log-prob of each generated token (zero outside the mask)."""
-    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
+def trim_response(token_ids: list[int], eos_token_id: int, max_response_length: int) -> list[int]:
+    """The response-mask rule, one for every engine: a response is the generated tokens up to and
+    including the first EOS, at most max_response_length of them; everything after is padding."""
+    if eos_token_id in token_ids:
+        token_ids = token_ids[: token_ids.index(eos_token_id) + 1]
+    return list(token_ids[:max_response_length])
+
+
+def assemble_rollout(prompts: torch.Tensor, prompt_mask: torch.Tensor, response_ids: list[list[int]], n: int,
+                     max_response_length: int, pad_token_id: int, eos_token_id: int,
+                     log_probs: list[list[float]] | None = None) -> TensorDict:
+    """The rollout batch (keys in docs/CONVENTIONS.md) of B*n rows, repeat_interleave order (row r
+    answers prompt r // n), from left-padded prompts [B, P] and each row's generated token ids.
+
+    `response_mask` is 1 on the tokens `trim_response` keeps. With `log_probs` (the engine's
+    log-prob of each generated token) the batch carries `rollout_log_probs`, 0 outside the mask.
+    """
+    if len(response_ids) != prompts.shape[0] * n:
+        raise ValueError(f"{len(response_ids)} responses for {prompts.shape[0]} prompts x n={n}")
+    kept = [trim_response(ids, eos_token_id, max_response_length) for ids in response_ids]
+    responses, response_mask = right_pad(kept, pad_token_id, max_response_length)
+    prompts = prompts.repeat_interleave(n, dim=0)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(n, dim=0).long(), response_mask], dim=1)
     out = {
         "prompts": prompts,
         "responses": responses,
@@ -228,21 +245,13 @@ def rollout_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: t
         "position_ids": position_ids_from_mask(attention_mask),
     }
     if log_probs is not None:
-        width = responses.shape[1]
+        if len(log_probs) != len(kept):
+            raise ValueError(f"{len(log_probs)} log-prob rows for {len(kept)} responses")
         padded = torch.zeros(responses.shape, dtype=torch.float32)
-        for row, values in enumerate(log_probs):
-            if values:
-                padded[row, : min(len(values), width)] = torch.tensor(values[:width], dtype=torch.float32)
-        out["rollout_log_probs"] = padded * response_mask
+        for row, (values, ids) in enumerate(zip(log_probs, kept)):
+            if len(values) < len(ids):
+                raise ValueError(f"row {row}: {len(values)} log-probs for {len(ids)} response tokens")
+            if ids:
+                padded[row, : len(ids)] = torch.tensor(values[: len(ids)], dtype=torch.float32)
+        out["rollout_log_probs"] = padded
     return TensorDict(out, batch_size=[prompts.shape[0]])
-
-
-def response_mask_from_ids(responses: torch.Tensor, eos_token_id: int, pad_token_id: int | None = None) -> torch.Tensor:
-    """1 for generated tokens up to and including the first EOS; 0 after it."""
-    is_eos = responses == eos_token_id
-    # tokens strictly after the first EOS are padding
-    after_eos = (torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()) > 0
-    mask = ~after_eos
-    if pad_token_id is not None and pad_token_id != eos_token_id:
-        mask &= responses != pad_token_id
-    return mask.long()

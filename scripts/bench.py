@@ -124,6 +124,7 @@ def ppo_overrides(model_dir: str, batch: int, n: int, prompt_len: int, response_
         "trainer.test_freq": 0,
         "trainer.val_before_train": False,
         "trainer.logger": "[jsonl]",
+        "rollout.calculate_log_probs": False,  # the bare loop and TRL do not compute them either
     }
     base.update(extra or {})
     return [f"{k}={v}" for k, v in base.items()]
@@ -223,9 +224,11 @@ class BareLoop:
         return list(torch.arange(rows).split(size))
 
     def _update(self, role: str, b, step: int) -> float:
-        from rlflow.algos import compute_policy_loss_vanilla, compute_value_loss
+        from rlflow.algos import compute_value_loss, policy_loss_term
+        from rlflow.protocol import BatchMeta
 
         section = getattr(self.cfg, role)
+        policy_term = policy_loss_term(self.cfg.actor)
         model, opt = (self.actor, self.actor_opt) if role == "actor" else (self.critic, self.critic_opt)
         model.train()
         rows = b["responses"].shape[0]
@@ -243,14 +246,12 @@ class BareLoop:
                 for micro in mb.split(section.ppo_micro_batch_size_per_gpu):
                     mask = b["response_mask"][micro]
                     if role == "actor":
-                        a = self.cfg.actor
                         log_probs = self._log_probs(b, micro)
                         # on-policy (rlflow's skip_old_log_prob_when_on_policy): the update's own, detached
                         old = b["old_log_probs"][micro] if "old_log_probs" in b else log_probs.detach()
-                        loss = compute_policy_loss_vanilla(
-                            old, log_probs, b["advantages"][micro], mask,
-                            a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                            clip_ratio_c=a.clip_ratio_c, **glob)[0]
+                        batch = {"log_probs": log_probs, "old_log_probs": old, "advantages": b["advantages"][micro],
+                                 "response_mask": mask}
+                        loss = policy_term(batch, BatchMeta(**glob))[0]
                     else:
                         loss = compute_value_loss(self._values(b, micro), b["returns"][micro], b["values"][micro], mask,
                                                   section.cliprange_value, section.loss_agg_mode, **glob)[0]
@@ -353,17 +354,11 @@ def _timed_worker(cls, methods):
     return type(cls.__name__, (cls,), attrs)  # defined in __main__: Ray ships it by value
 
 
-def install_timed_workers() -> None:
-    import workers.actor
-    import workers.critic
-    import workers.rollout.worker
+def timed_workers() -> dict[str, type]:
+    """{role: a timed subclass of its worker}, for PPOTrainer(worker_classes=...)."""
+    from controllers.ppo import default_worker_classes
 
-    for module, name, role in ((workers.actor, "ActorWorker", "actor"), (workers.actor, "ReferenceWorker", "reference"),
-                               (workers.critic, "CriticWorker", "critic"),
-                               (workers.rollout.worker, "RolloutWorker", "rollout")):
-        cls = getattr(module, name)
-        if not hasattr(cls, "bench_times"):
-            setattr(module, name, _timed_worker(cls, _TIMED_METHODS[role]))
+    return {role: _timed_worker(cls, _TIMED_METHODS[role]) for role, cls in default_worker_classes().items()}
 
 
 class RLFlowRun:
@@ -372,7 +367,7 @@ class RLFlowRun:
         from rlflow import load_config
 
         self.cfg = load_config(None, overrides)
-        self.trainer = PPOTrainer(self.cfg)
+        self.trainer = PPOTrainer(self.cfg, worker_classes=timed_workers())
         start = time.perf_counter()
         self.trainer.setup()
         self.setup_s = time.perf_counter() - start
@@ -576,7 +571,6 @@ def main() -> int:
         else:
             model_dir = args.model
         results["model"] = model_dir
-        install_timed_workers()
 
         # -- Ray, started once, before any timing -----------------------------------------------------
         from controllers.cluster import ensure_ray

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tensordict import TensorDict
 
 from conftest import tiny_overrides
 
@@ -252,6 +253,13 @@ def compare_fits(a: FitResult, b: FitResult, metrics=COMPARED_METRICS, param_rto
     return diff
 
 
+def recorded_batches(folder: str) -> dict[int, TensorDict]:
+    """{step: the rollout batch} of a trainer.record_rollouts folder."""
+    from controllers.rollout_source import read_recorded, recorded_steps
+
+    return {step: read_recorded(folder, step).batch for step in sorted(recorded_steps(folder))}
+
+
 def response_lengths(record_path: str) -> list[list[int]]:
-    recorded = torch.load(record_path, weights_only=True)
+    recorded = recorded_batches(record_path)
     return [recorded[s]["response_mask"].sum(-1).tolist() for s in sorted(recorded)]

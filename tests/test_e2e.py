@@ -10,6 +10,7 @@ import torch
 
 from conftest import tiny_overrides
 from controllers.ppo import PPOTrainer, RLFlow
+from controllers.rollout_source import read_recorded, recorded_steps
 from inspecting_workers import INSPECTABLE
 from trainers import CapturingTrainer
 from rlflow import load_config
@@ -165,16 +166,18 @@ def test_every_advantage_estimator_runs_three_steps(ray_session, tiny_model_dir,
     critic's values for gae, the group index for grpo/rloo, the greedy response's score for remax."""
     from rlflow.algos import NEEDS_CRITIC
 
-    record = str(tmp_path / "rollouts.pt")
+    record = str(tmp_path / "rollouts")
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": estimator, "trainer.total_steps": 3, "trainer.default_local_dir": str(tmp_path),
-        "trainer.record_rollouts": record, "rollout.calculate_log_probs": True}))
+        "trainer.record_rollouts": record}))
     trainer = PPOTrainer(cfg)
     history = trainer.fit()
     steps = [h for h in history if "actor/pg_loss" in h]
     assert len(steps) == 3 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in steps)
     assert all(("critic/vf_loss" in h) == (estimator in NEEDS_CRITIC) for h in steps)
-    recorded = torch.load(record, weights_only=True)
+    recorded = {step: read_recorded(record, step) for step in sorted(recorded_steps(record))}
+    assert sorted(recorded) == [0, 1, 2] and [r.weight_version for r in recorded.values()] == [0, 1, 2]
+    recorded = {step: rollout.batch for step, rollout in recorded.items()}
     for step in recorded.values():  # the engine's log-probs of its tokens travel with the batch
         mask = step["response_mask"] != 0
         assert torch.all(step["rollout_log_probs"][mask] < 0) and torch.all(step["rollout_log_probs"][~mask] == 0)
@@ -184,4 +187,4 @@ def test_every_advantage_estimator_runs_three_steps(ray_session, tiny_model_dir,
             # one greedy score per prompt, shared by its samples
             assert torch.equal(baselines, baselines[:, :1].expand_as(baselines))
     else:
-        assert all("reward_baselines" not in step for step in recorded.values())
+        assert all("reward_baselines" not in step.keys() for step in recorded.values())

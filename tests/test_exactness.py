@@ -29,6 +29,7 @@ import torch
 
 import exactness_workers
 from exactness_helpers import (
+    recorded_batches,
     BASE,
     build_varied_length_model,
     compare_fits,
@@ -138,7 +139,7 @@ class Fits:
     def __init__(self, model_dir: str, tmp_factory):
         self.model_dir = model_dir
         self.tmp = tmp_factory
-        self.record_path = str(tmp_factory.mktemp("exactness_rollouts") / "gen1.pt")
+        self.record_path = str(tmp_factory.mktemp("exactness_rollouts") / "gen1")
         self.cache = {}
 
     def overrides(self, name: str) -> dict:
@@ -153,10 +154,10 @@ class Fits:
             extra = FITS[name][2]
             overrides = self.overrides(name)
             if extra.get("record"):
-                path = self.record_path if name == "gen1" else str(self.tmp.mktemp("exactness_rollouts") / f"{name}.pt")
+                path = self.record_path if name == "gen1" else str(self.tmp.mktemp("exactness_rollouts") / name)
                 overrides["trainer.record_rollouts"] = path
             else:
-                self["gen1"]  # the file every replay reads
+                self["gen1"]  # the recording every replay reads
                 overrides["trainer.replay_rollouts"] = self.record_path
             result = run_fit(self.model_dir, str(self.tmp.mktemp("exactness_run")), workers=extra.get("workers"),
                              **overrides)
@@ -193,11 +194,11 @@ def test_recorded_rollout_has_uneven_masks(fits):
 
 def test_deterministic_mode_reproduces_a_generating_run(fits):
     a, b = fits["gen1"], fits["gen2"]
-    ra = torch.load(a.record_path, weights_only=True)
-    rb = torch.load(b.record_path, weights_only=True)
+    ra, rb = recorded_batches(a.record_path), recorded_batches(b.record_path)
     assert sorted(ra) == sorted(rb) == [0, 1, 2]
     for step in ra:
-        for key in ra[step]:
+        assert set(ra[step].keys()) == set(rb[step].keys())
+        for key in ra[step].keys():
             assert torch.equal(ra[step][key], rb[step][key]), f"step {step}: recorded {key} differs between runs"
     diff = compare_fits(a, b, metrics=required_metrics(FAMILIES["F1"]), bitwise=True)
     _REPORT.append(f"gen1 vs gen2 (deterministic, bitwise): {diff.line()}")
@@ -237,7 +238,6 @@ def test_dp2_shards_hold_unequal_token_counts(fits):
     """The dp=2 token-mean layouts are the ones where a count taken per rank or per micro-batch is
     wrong: their mini-batches must put unequal token counts on the two ranks and in the micro-batches
     of one rank (the driver's plan, recomputed here from the recorded rollout)."""
-    from tensordict import TensorDict
 
     from controllers.ppo import PPOTrainer
     from conftest import tiny_overrides
@@ -245,7 +245,7 @@ def test_dp2_shards_hold_unequal_token_counts(fits):
     from rlflow.protocol import split_micro_batches
     from workers.trainable import micro_batch_plan
 
-    recorded = torch.load(fits.record_path, weights_only=True)
+    recorded = recorded_batches(fits.record_path)
     for name in ("S1/dp2-mb2", "S1/dp2-ddp-mb2", "S1/dp2-dyn"):
         cfg = load_config(None, tiny_overrides("unused", **{**BASE, **fits.overrides(name),
                                                             "reward.custom_function.path": __file__}))
@@ -253,7 +253,7 @@ def test_dp2_shards_hold_unequal_token_counts(fits):
         unequal_ranks = unequal_micro = 0
         per_step = []
         for step in sorted(recorded):
-            batch = TensorDict(dict(recorded[step]), batch_size=[recorded[step]["responses"].shape[0]])
+            batch = recorded[step]
             ranks = trainer.plan_minibatches(batch, "actor", step)
             for j in range(len(ranks[0])):
                 rank_tokens = []
@@ -371,7 +371,7 @@ def test_first_sgd_step_equals_an_independent_float64_gradient(fits):
 
     fit = fits["A1/mb4"]
     assert [h["actor/num_micro_batches"] for h in fit.steps()] == [4.0]
-    record = torch.load(fits.record_path, weights_only=True)[0]
+    record = recorded_batches(fits.record_path)[0]
     actor = AutoModelForCausalLM.from_pretrained(fits.model_dir, dtype=torch.float64)
     actor.load_state_dict(fit.initial["actor"])
     critic = load_value_model(fits.model_dir, "float32").double()

@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from rlflow.protocol import left_pad, position_ids_from_mask
 from workers.forward import response_log_probs
+from workers.rollout.engine import RolloutEngine, get_engine
 from workers.rollout.hf import HFRollout
 
 TOL = 1e-5
@@ -84,3 +85,53 @@ def test_greedy_log_probs_are_the_raw_logits(tiny_model_dir):
         actor, _ = response_log_probs(engine.model, out, 1.0)
     assert _masked_max_diff(out["rollout_log_probs"], actor, out["response_mask"]) < TOL
     assert torch.equal(out["rollout_log_probs"][0::2], out["rollout_log_probs"][1::2])  # n copies of one answer
+
+
+def test_a_call_may_sample_at_another_temperature(tiny_model_dir):
+    """Validation samples at rollout.val_temperature: the call's temperature is the distribution
+    sampled from and scored."""
+    engine = _engine(tiny_model_dir, temperature=1.0)
+    prompts = _prompts(engine.model.config.vocab_size, engine.pad_token_id)
+    out = engine.generate(prompts, n=2, do_sample=True, seed=5, return_log_probs=True, temperature=0.5)
+    with torch.no_grad():
+        at_half, _ = response_log_probs(engine.model, out, 0.5)
+        at_one, _ = response_log_probs(engine.model, out, 1.0)
+    mask = out["response_mask"]
+    assert _masked_max_diff(out["rollout_log_probs"], at_half, mask) < TOL
+    assert _masked_max_diff(out["rollout_log_probs"], at_one, mask) > 100 * TOL
+
+
+class ReversingEngine(RolloutEngine):
+    """An engine from outside rlflow: 'generates' each prompt reversed, then EOS."""
+
+    @classmethod
+    def from_config(cls, model_path, cfg, *, device, seed, pad_token_id, eos_token_id):
+        return cls(max_response_length=cfg.data.max_response_length, pad_token_id=pad_token_id,
+                   eos_token_id=eos_token_id)
+
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature):
+        rows = [[t for t, m in zip(ids, mask) if m][::-1] + [self.eos_token_id, 7, 7]
+                for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
+        rows = [row for row in rows for _ in range(n)]
+        return rows, ([[-1.0] * len(row) for row in rows] if return_log_probs else None)
+
+
+def test_engines_come_from_the_registry_or_an_import_path():
+    from rlflow import load_config
+
+    assert get_engine("hf") is HFRollout
+    cls = get_engine(f"{__name__}:ReversingEngine")
+    assert cls is ReversingEngine
+    cfg = load_config(None, [f"rollout.name={__name__}:ReversingEngine", "data.max_response_length=4"])
+    engine = cls.from_config("unused", cfg, device=torch.device("cpu"), seed=0, pad_token_id=0, eos_token_id=2)
+    ids, mask = left_pad([[5, 6, 9], [4]], 0)
+    out = engine.generate(TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[2]), n=2,
+                          do_sample=True, return_log_probs=True)
+    # the shared assembler applies the one mask rule: up to and including EOS, within the width
+    assert out["responses"].tolist() == [[9, 6, 5, 2], [9, 6, 5, 2], [4, 2, 0, 0], [4, 2, 0, 0]]
+    assert out["response_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]
+    assert out["rollout_log_probs"].tolist()[2] == [-1.0, -1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="no such engine; registered: hf, vllm"):
+        get_engine("sglang")
+    with pytest.raises(TypeError, match="not a workers.rollout.engine.RolloutEngine subclass"):
+        get_engine("workers.rollout.hf:torch")

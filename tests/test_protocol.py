@@ -17,7 +17,8 @@ from rlflow.protocol import (
     compute_batch_meta,
     get_meta,
     num_bins_for_token_budget,
-    response_mask_from_ids,
+    assemble_rollout,
+    trim_response,
     restore_order,
     row_token_counts,
     split_dp,
@@ -118,7 +119,21 @@ def test_impossible_splits_name_the_numbers():
         restore_order([make_batch([1, 1])], [torch.tensor([0, 0])])
 
 
-def test_response_mask_stops_after_first_eos():
-    responses = torch.tensor([[5, 6, 0, 7, 0], [5, 5, 5, 5, 5], [0, 1, 1, 1, 1]])
-    assert response_mask_from_ids(responses, eos_token_id=0, pad_token_id=1).tolist() == [
-        [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+def test_one_response_mask_rule_for_every_engine():
+    """Up to and including the first EOS (0 here), at most max_response_length tokens; a generated
+    pad token (1) before the EOS is a real token; rows come out in repeat_interleave order."""
+    prompts, prompt_mask = torch.tensor([[1, 9], [8, 9]]), torch.tensor([[0, 1], [1, 1]])
+    generated = [[5, 6, 0, 7, 0], [5, 5, 5, 5, 5, 5], [0, 3], [1, 4, 0]]
+    log_probs = [[-0.5, -0.6, -0.1, -9.0, -9.0], [-1.0] * 6, [-0.2, -9.0], [-0.3, -0.4, -0.7]]
+    batch = assemble_rollout(prompts, prompt_mask, generated, n=2, max_response_length=5, pad_token_id=1,
+                             eos_token_id=0, log_probs=log_probs)
+    assert batch["response_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert batch["responses"].tolist() == [[5, 6, 0, 1, 1], [5, 5, 5, 5, 5], [0, 1, 1, 1, 1], [1, 4, 0, 1, 1]]
+    assert batch["prompts"].tolist() == [[1, 9], [1, 9], [8, 9], [8, 9]]
+    assert batch["attention_mask"].tolist()[0] == [0, 1, 1, 1, 1, 0, 0]
+    assert batch["position_ids"].tolist()[0] == [0, 0, 1, 2, 3, 3, 3]
+    assert torch.allclose(batch["rollout_log_probs"], torch.tensor(
+        [[-0.5, -0.6, -0.1, 0, 0], [-1.0] * 5, [-0.2, 0, 0, 0, 0], [-0.3, -0.4, -0.7, 0, 0]]))
+    assert [trim_response(ids, 0, 5) for ids in generated] == [[5, 6, 0], [5] * 5, [0], [1, 4, 0]]
+    with pytest.raises(ValueError, match="2 log-probs for 3 response tokens"):
+        assemble_rollout(prompts, prompt_mask, generated, 2, 5, 1, 0, [[0.0, 0.0]] + log_probs[1:])

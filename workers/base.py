@@ -81,20 +81,12 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
-def default_worker_threads(cfg: RLFlowConfig) -> int:
-    """The cores shared out over every worker process rlflow starts (assumed on one machine).
-
-    The roles' phases overlap (old log-probs with values, actor with critic updates) and each
-    process used to take all cores: on 2 cores the 3 workers of a PPO run then contend. Measured
-    there (tiny model): 1 thread per worker instead of 2 took a PPO step from 0.74 to 0.63 s and a
-    GRPO step from 0.90 to 0.59 s. RLFLOW_WORKER_THREADS overrides this.
-    """
-    workers = cfg.actor.dp_size + cfg.rollout.dp_size
-    if cfg.critic.enable:
-        workers += cfg.critic.dp_size or cfg.actor.dp_size
-    if cfg.reference.enable:
-        workers += 1
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+def worker_threads(num_worker_processes: int) -> int:
+    """Each worker's share of this machine's cores (the roles' phases overlap, and a process that
+    takes every core contends with the others: docs/BENCHMARKS.md). RLFLOW_WORKER_THREADS, when
+    set, is the user's choice instead."""
+    override = int(os.environ.get("RLFLOW_WORKER_THREADS", "0") or 0)
+    return override or max(1, (os.cpu_count() or 1) // max(1, num_worker_processes))
 
 
 class WorkerBase:
@@ -102,13 +94,12 @@ class WorkerBase:
 
     role = "worker"
 
-    def __init__(self, cfg: RLFlowConfig, rank: int, world_size: int):
+    def __init__(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1):
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        threads = int(os.environ.get("RLFLOW_WORKER_THREADS", "0")) or default_worker_threads(cfg)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(num_threads)  # the driver's share-out (worker_threads)
         from workers.wire import install as install_tensor_wire
 
         install_tensor_wire()  # what this worker returns crosses Ray as numpy buffers (workers/wire.py)

@@ -1,8 +1,8 @@
 """Actor -> rollout weight sync through one shared-memory file, for workers on the same node.
 
 Through Ray's object store a sync serialises the state dict (one buffer per tensor), copies it into
-the store, fetches it in every rollout worker and copies it out again: measured at 0.9M parameters
-on the 2-core CI machine, 9.4 ms a step for 2-3 ms of work. Here the actor's rank 0 writes its
+the store, fetches it in every rollout worker and copies it out again: several times the work of
+the copies themselves (docs/BENCHMARKS.md). Here the actor's rank 0 writes its
 weights into a file in /dev/shm that the rollout workers have mapped too, and each rollout worker
 loads from views of that mapping: two memory copies and two small Ray calls.
 

@@ -1,10 +1,9 @@
 """How torch tensors travel through Ray: as numpy buffers, not through torch's own pickling.
 
 Ray pickles a CPU tensor by torch's default reduction, which writes each storage with
-torch.save into a bytes object and reads it back with torch.load: measured on the 2-core CI
-machine, a 128-row rollout TensorDict (8 tensors) took 5.3 ms to pickle and unpickle and the
-0.9M-parameter state dict of the weight sync 54 ms; as numpy arrays (pickle protocol 5 buffers,
-which Ray moves out of band) 0.8 ms and 7 ms. rlflow moves about ten such batches per step.
+torch.save into a bytes object and reads it back with torch.load, several times slower than numpy
+arrays, which pickle protocol 5 passes as buffers that Ray moves out of band (docs/BENCHMARKS.md).
+rlflow moves about ten batches per step.
 
 `install()` registers this for exact `torch.Tensor` instances in the calling process (the driver's
 worker groups and every worker call it). The receiver needs nothing registered: the rebuild

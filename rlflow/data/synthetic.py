@@ -152,8 +152,8 @@ register_task(
 
 #: The default run's task. Reverse is learnt by a tiny model in a few hundred SFT steps, so the warm
 #: start can execute both the right strategy and its distractor (copying) well; RL then has to
-#: pick the rewarded one. Addition with carries is far from learnt in that budget (measured: 3%
-#: greedy exact match after 600 steps), which leaves RL nothing to sharpen.
+#: pick the rewarded one. Addition with carries is far from learnt in that budget, which leaves RL
+#: nothing to sharpen.
 DEFAULT_TASK = "reverse"
 
 

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 from tensordict import TensorDict
 
-from rlflow.protocol import right_pad, rollout_batch
+from workers.rollout.engine import RolloutEngine, register_engine
 
 __all__ = ["VLLMRollout", "RlflowWorkerExtension", "DEFAULT_WEIGHT_CHUNK_BYTES"]
 
@@ -166,7 +166,8 @@ def _set_engine_in_process(in_process: bool) -> None:
                            "with the other mode (vLLM caches VLLM_ENABLE_V1_MULTIPROCESSING)")
 
 
-class VLLMRollout:
+@register_engine("vllm")
+class VLLMRollout(RolloutEngine):
     """n responses per prompt from a vLLM engine; ``load_weights`` syncs the actor into it.
 
     ``temperature``/``top_p``/``top_k`` apply when ``do_sample``; greedy otherwise. Rollout
@@ -177,9 +178,9 @@ class VLLMRollout:
     ``weight_transport``: "auto" (tensors directly when the engine is in this process, files
     otherwise), "direct", or "file". ``engine_in_process``: True runs vLLM's engine in this
     process (sets VLLM_ENABLE_V1_MULTIPROCESSING=0 here; meant for a dedicated process such as the
-    rollout Ray actor: on 2 CPU cores it starts in ~10 s instead of ~60 s, with no extra engine
-    and worker processes); False forces vLLM's own processes; None (default) follows the
-    environment. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``,
+    rollout Ray actor: it starts several times faster on a few CPU cores, with no extra engine
+    and worker processes, docs/BENCHMARKS.md); False forces vLLM's own processes; None (default)
+    follows the environment. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``,
     ``max_num_seqs``, ``kv_cache_memory_bytes``).
     """
 
@@ -210,13 +211,12 @@ class VLLMRollout:
 
         if weight_transport not in ("auto", "direct", "file"):
             raise ValueError(f"weight_transport must be auto, direct or file, got {weight_transport!r}")
+        super().__init__(max_response_length=max_response_length, pad_token_id=pad_token_id,
+                         eos_token_id=eos_token_id, temperature=temperature, top_p=top_p, top_k=top_k)
         self.model_path = model_path
         self.max_prompt_length = int(max_prompt_length)
-        self.max_response_length = int(max_response_length)
-        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
         self.dtype = dtype
         self.torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
-        self.pad_token_id, self.eos_token_id = int(pad_token_id), int(eos_token_id)
         self.weight_chunk_bytes = int(weight_chunk_bytes)
         self._rng = random.Random(seed)
         self._tied_embeddings = _tied_embeddings(model_path)
@@ -240,7 +240,18 @@ class VLLMRollout:
         )
 
     # -- generation -------------------------------------------------------------------------------
-    def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool):
+    @classmethod
+    def from_config(cls, model_path, cfg, *, device, seed, pad_token_id, eos_token_id):
+        engine_kwargs = {}
+        if device.type == "cpu":
+            # vLLM-CPU sizes its KV cache as a fraction of RAM minus this process; fix it instead
+            engine_kwargs["kv_cache_memory_bytes"] = 256 * 2**20
+        return cls(model_path, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                   enforce_eager=cfg.rollout.enforce_eager,
+                   engine_in_process=True,  # the rollout Ray actor is the engine's dedicated process
+                   **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
+
+    def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool, temperature: float):
         from vllm import SamplingParams
 
         common = dict(
@@ -253,36 +264,16 @@ class VLLMRollout:
         if not do_sample:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(
-            temperature=self.temperature,
+            temperature=temperature,
             top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else -1,
             seed=seed,
             **common,
         )
 
-    @torch.no_grad()
-    def generate(
-        self,
-        batch: TensorDict,
-        *,
-        n: int,
-        do_sample: bool,
-        seed: int | None = None,
-        return_log_probs: bool = False,
-    ) -> TensorDict:
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
-                             f"{tuple(attention_mask.shape)} must both be [B, P]")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        prompt_lists = []
-        for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
-            tokens = [t for t, m in zip(ids, mask) if m]
-            if not tokens:
-                raise ValueError(f"prompt {row} is empty (attention_mask all 0)")
-            prompt_lists.append(tokens)
-
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature):
+        prompt_lists = [[t for t, m in zip(ids, mask) if m]
+                        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
         # each response row gets its own request and seed: row r = prompt r // n, sample r % n
         base_seed = self._rng.getrandbits(31) if seed is None else int(seed)
         samples_per_prompt = n if do_sample else 1  # greedy: generate once, repeat
@@ -292,14 +283,14 @@ class VLLMRollout:
                 row = i * samples_per_prompt + j
                 requests.append({"prompt_token_ids": tokens})
                 row_seed = (base_seed * 1_000_003 + row) % (2**63 - 1) if do_sample else None
-                params.append(self._sampling_params(do_sample, row_seed, return_log_probs))
+                params.append(self._sampling_params(do_sample, row_seed, return_log_probs, temperature))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
 
         responses: list[list[int]] = []
         log_probs: list[list[float]] = []
         for out in outputs:
             completion = out.outputs[0]
-            tokens = list(completion.token_ids)[: self.max_response_length]
+            tokens = list(completion.token_ids)
             responses.append(tokens)
             if return_log_probs:
                 per_token = completion.logprobs or []
@@ -307,15 +298,7 @@ class VLLMRollout:
         if samples_per_prompt != n:
             responses = [r for r in responses for _ in range(n)]
             log_probs = [lp for lp in log_probs for _ in range(n)]
-
-        return self._assemble(input_ids, attention_mask, responses, log_probs if return_log_probs else None, n)
-
-    def _assemble(self, prompts, prompt_mask, responses, log_probs, n) -> TensorDict:
-        R = self.max_response_length
-        prompts = prompts.repeat_interleave(n, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(n, dim=0).long()
-        response_ids, response_mask = right_pad(responses, self.pad_token_id, R)
-        return rollout_batch(prompts, prompt_mask, response_ids, response_mask, log_probs)
+        return responses, (log_probs if return_log_probs else None)
 
     @torch.no_grad()
     def score_log_probs(self, batch: TensorDict) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""The rollout engine seam: a base class, a registry, and the one place a rollout batch is built.
+
+An engine turns prompts into token ids (and the log-prob of each sampled token under the
+distribution it was sampled from: temperature, top-k, top-p applied) and takes the actor's
+weights. Everything else — the response-mask rule, padding, the batch keys — is
+`rlflow.protocol.assemble_rollout`, shared by every engine. A new engine is a subclass with
+`generate_ids`, `load_weights` and `from_config`, registered with `@register_engine(name)` and
+chosen with `rollout.name=<name>` (or `rollout.name=<module>:<Class>` for one outside rlflow).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from tensordict import TensorDict
+
+from rlflow.protocol import assemble_rollout
+
+ENGINES: dict[str, type["RolloutEngine"]] = {}
+# the built-in engines' modules, imported on first use (vllm is optional)
+_BUILTIN_MODULES = {"hf": "workers.rollout.hf", "vllm": "workers.rollout.vllm"}
+
+
+def register_engine(name: str):
+    def decorator(cls: type[RolloutEngine]) -> type[RolloutEngine]:
+        if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+            raise TypeError(f"engine {name!r}: {cls!r} is not a RolloutEngine subclass")
+        if ENGINES.get(name, cls) is not cls:
+            raise ValueError(f"rollout engine {name!r} is already registered")
+        ENGINES[name] = cls
+        cls.name = name
+        return cls
+
+    return decorator
+
+
+def get_engine(name: str) -> type["RolloutEngine"]:
+    """A registered engine class, or `module:Class` for an engine defined outside rlflow."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+            raise TypeError(f"rollout.name={name!r} is not a workers.rollout.engine.RolloutEngine subclass")
+        return cls
+    if name not in ENGINES and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in ENGINES:
+        raise ValueError(f"rollout.name={name!r}: no such engine; registered: {', '.join(sorted(set(ENGINES) | set(_BUILTIN_MODULES)))}")
+    return ENGINES[name]
+
+
+class RolloutEngine:
+    """Generates n responses per prompt; `load_weights` syncs the actor into it.
+
+    Sampling (`temperature`, `top_p`, `top_k`) applies when `do_sample`; greedy otherwise. A call
+    may override the temperature (validation samples at rollout.val_temperature).
+    """
+
+    name = "engine"
+
+    def __init__(self, *, max_response_length: int, pad_token_id: int, eos_token_id: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):
+        self.max_response_length = int(max_response_length)
+        self.pad_token_id, self.eos_token_id = int(pad_token_id), int(eos_token_id)
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
+
+    @classmethod
+    def from_config(cls, model_path: str, cfg, *, device: torch.device, seed: int, pad_token_id: int,
+                    eos_token_id: int) -> "RolloutEngine":
+        """The engine of a rollout rank, from the run's config (its own options included)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def common_kwargs(cfg, seed: int, pad_token_id: int, eos_token_id: int) -> dict:
+        rollout = cfg.rollout
+        return dict(max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
+                    temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, dtype=rollout.dtype,
+                    seed=seed, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+
+    def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, n: int, do_sample: bool,
+                     seed: int | None, return_log_probs: bool, temperature: float
+                     ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """B*n generated token lists in repeat_interleave order (row r answers prompt r // n), and
+        with return_log_probs the log-prob of each of those tokens under the distribution it was
+        drawn from (greedy: the raw logits'). Trailing tokens after an EOS are cut by the caller."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(self, batch: TensorDict, *, n: int, do_sample: bool, seed: int | None = None,
+                 return_log_probs: bool = False, temperature: float | None = None) -> TensorDict:
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                             f"{tuple(attention_mask.shape)} must both be [B, P]")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        empty = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"prompt {empty[0]} is empty (attention_mask all 0)")
+        responses, log_probs = self.generate_ids(
+            input_ids, attention_mask, n=n, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
+            temperature=self.temperature if temperature is None else float(temperature))
+        return assemble_rollout(input_ids, attention_mask, responses, n, self.max_response_length,
+                                self.pad_token_id, self.eos_token_id, log_probs)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
