@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf  # noqa: F401
 from omegaconf.errors import OmegaConfBaseException
 
 from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, POLICY_LOSSES  # torch-only
+from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, option_names
 
 ROLLOUT_NAMES = ("hf", "vllm", "auto")
 WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
@@ -83,9 +84,13 @@ class ActorConfig:
     ppo_epochs: int = 1
     shuffle: bool = True
     policy_loss: str = "vanilla"
+    # PPO's ratio clip: the defaults of the losses that clip the probability ratio (vanilla, gspo)
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = 3.0  # dual clip (vanilla)
+    # the chosen loss's own options (its dataclass in rlflow.algos.POLICY_LOSSES), over the above,
+    # e.g. geo_mean's log-ratio clip {clip_ratio_low: 0.4, clip_ratio_high: 0.4} (its defaults)
+    policy_loss_options: dict[str, Any] = field(default_factory=dict)
     loss_agg_mode: str = "token-mean"
     # divisor of seq-mean-token-sum-norm; None -> data.max_response_length (a constant, never
     # the padded width of a micro-batch)
@@ -401,6 +406,23 @@ def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int
           f"{role}.loss_scale_factor must be > 0, got {section.loss_scale_factor}")
 
 
+def _check_loss_terms(cfg: DictConfig) -> None:
+    """Build the loss terms the workers will build, so a bad option fails before Ray starts."""
+    actor = cfg.actor
+    own = actor.policy_loss_options
+    valid = option_names(POLICY_LOSSES[actor.policy_loss].options)
+    for key in own:
+        _need(key in valid, f"actor.policy_loss_options.{key} is not an option of actor.policy_loss="
+                            f"{actor.policy_loss!r}; valid: {', '.join(valid) or '(none)'}")
+    sections = [("actor", actor, actor_loss_terms)] + ([("critic", cfg.critic, critic_loss_terms)] if cfg.critic.enable else [])
+    for role, section, build in sections:
+        try:
+            build(section)
+        except LossOptionError as err:
+            key = f"actor.policy_loss_options.{err.option}" if role == "actor" and err.option in own else f"{role}.{err.option}"
+            raise ConfigError(f"{key} {err.problem}") from err
+
+
 def validate_config(cfg: DictConfig) -> None:
     data, rollout, algo, trainer = cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
     _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
@@ -423,6 +445,7 @@ def validate_config(cfg: DictConfig) -> None:
           f"actor.policy_loss={cfg.actor.policy_loss!r} is not one of {', '.join(sorted(POLICY_LOSSES))}")
     _need(cfg.actor.kl_loss_type in KL_PENALTY_MODES,
           f"actor.kl_loss_type={cfg.actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
+    _check_loss_terms(cfg)
     _need(algo.kl_penalty in KL_PENALTY_MODES,
           f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _need(algo.kl_ctrl.type in ("fixed", "adaptive"),

@@ -40,11 +40,12 @@ class RecordInitialWeights:
 
 
 class LocalNormalisation:
-    """The bug rlflow prevents (verl #6957): ignore the driver's BatchMeta, so every micro-batch
-    divides by its own token / sequence count and dp_size is not multiplied back."""
+    """The bug rlflow prevents (verl #6957): ignore the driver's BatchMeta, so every loss term of
+    every micro-batch divides by its own token / sequence count and dp_size is not multiplied back
+    (a term given meta None normalises locally, with dp_size 1)."""
 
-    def _loss_kwargs(self, meta):
-        return super()._loss_kwargs(None)
+    def _loss_meta(self, meta):
+        return None
 
 
 class DoubleOneGradient:

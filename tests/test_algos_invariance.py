@@ -3,11 +3,16 @@
 A mini-batch is cut into dp shards (random sizes, random row order) and each shard into
 micro-batches (random sizes, each optionally trimmed to its own last valid column, as unpadding
 does). Every rank sums the gradients of its micro-batch losses (backward per micro-batch); the
-"all-reduce" is the MEAN over ranks, as DDP/FSDP take it. With the whole mini-batch's metadata
+"all-reduce" is the MEAN over ranks, as DDP/FSDP take it. With the whole mini-batch's BatchMeta
 passed to every micro-batch, that gradient must equal the gradient of the whole mini-batch in one
-piece with dp_size=1. The policy-loss test iterates the registry, so a newly registered loss is
-covered automatically. Hypothesis also draws the values' dtype (float64, float32), the mask's dtype
-(float64, float32, long, bool) and the clip ranges.
+piece (no metadata, dp_size=1), and the metrics the micro-batches report, reduced by
+rlflow.metrics by their declared aggregations, must equal the whole mini-batch's.
+
+The term test iterates the registry of loss terms (every policy loss and the value, entropy and KL
+terms, rlflow.algos.registered_terms), draws every option of each term's options dataclass, and
+differentiates with respect to every float input the term declares; so a newly registered term
+or option is covered automatically (or fails until this file can draw it). Hypothesis also draws
+the values' dtype (float64, float32) and the mask's dtype (float64, float32, long, bool).
 """
 
 from __future__ import annotations
@@ -23,14 +28,21 @@ from rlflow import metrics
 from rlflow.algos import (
     KL_PENALTY_MODES,
     LOSS_AGG_MODES,
+    LOSS_TERMS,
     POLICY_LOSSES,
+    EntropyBonusOptions,
+    LossOptions,
     agg_loss,
-    compute_entropy_loss,
-    compute_value_loss,
+    compose_loss,
+    entropy_bonus_term,
     entropy_from_logits,
-    kl_penalty,
     masked_mean,
+    masked_mean_metric,
+    option_names,
+    registered_terms,
 )
+from rlflow.algos.terms import LossTerm
+from rlflow.protocol import BatchMeta
 
 DTYPE = torch.float64  # of the fixed examples (negative controls); hypothesis draws float32 too
 # (rtol, atol, extra atol of a loss value per valid token), per value dtype.
@@ -100,19 +112,20 @@ def random_plan(gen: torch.Generator, rows: int, dp_size: int) -> list[list[torc
     return plan
 
 
-def global_meta(mask: torch.Tensor, as_tensor: bool) -> dict:
-    """The driver's counts (of any mask dtype: float, long or bool)."""
+def global_meta(mask: torch.Tensor, dp_size: int, as_tensor: bool) -> BatchMeta:
+    """The driver's BatchMeta (from a mask of any dtype: float, long or bool)."""
     valid = mask != 0
     batch_num_tokens = valid.sum()
     global_batch_size = valid.any(-1).sum()
     assert int(batch_num_tokens) == int(mask.to(torch.float64).sum())  # 0/1 masks: the same count
     if not as_tensor:  # BatchMeta may carry Python numbers or tensors; both must work
         batch_num_tokens, global_batch_size = int(batch_num_tokens), int(global_batch_size)
-    return dict(
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=LOSS_SCALE_FACTOR,
-    )
+    return BatchMeta(dp_size, batch_num_tokens, global_batch_size, LOSS_SCALE_FACTOR)
+
+
+def agg_kwargs(meta: BatchMeta | None) -> dict:
+    """agg_loss's keywords of a loss written against agg_loss directly (not a term)."""
+    return meta.loss_kwargs() if meta is not None else {"dp_size": 1, "loss_scale_factor": LOSS_SCALE_FACTOR}
 
 
 def micro_width(mask: torch.Tensor, rows: torch.Tensor, trim: bool) -> int:
@@ -123,41 +136,38 @@ def micro_width(mask: torch.Tensor, rows: torch.Tensor, trim: bool) -> int:
     return int(valid_cols.max()) + 1 if valid_cols.numel() else 1
 
 
-def check_split_invariance(loss_fn, leaf_init, mask, plan, dp_size, meta, trim):
-    """loss_fn(leaf, rows, width, dp_size, meta) -> (loss, {stat_name: local masked mean}).
+def check_split_invariance(loss_fn, leaf_init, mask, plan, meta, trim):
+    """loss_fn(leaf, rows, width, meta) -> (loss, {name: rlflow.metrics.Metric}); the whole
+    mini-batch runs with meta None (its own counts are the whole's), each micro-batch with `meta`.
 
-    Asserts gradient, loss-metric and token-weighted statistic invariance; returns the pieces so
-    negative controls can inspect them.
+    Returns the pieces for assert_invariant and for negative controls to inspect.
     """
     leaf = leaf_init.clone().requires_grad_(True)
-    whole_loss, whole_stats = loss_fn(leaf, torch.arange(mask.shape[0]), mask.shape[1], 1, {})
+    whole_loss, whole_metrics = loss_fn(leaf, torch.arange(mask.shape[0]), mask.shape[1], None)
     whole_loss.backward()
     whole_grad = leaf.grad.clone()
 
-    rank_grads, loss_metric_sum, micro_loss_dtypes = [], 0.0, set()
-    stat_weighted_sums: dict[str, float] = {name: 0.0 for name in whole_stats}
+    rank_grads, loss_sum, micro_loss_dtypes, records = [], 0.0, set(), []
     for shard in plan:
         rank_leaf = leaf_init.clone().requires_grad_(True)  # each rank has its own .grad
         for rows in shard:
-            width = micro_width(mask, rows, trim)
-            micro_loss, micro_stats = loss_fn(rank_leaf, rows, width, dp_size, meta)
+            micro_loss, micro_metrics = loss_fn(rank_leaf, rows, micro_width(mask, rows, trim), meta)
             micro_loss.backward()
             micro_loss_dtypes.add(micro_loss.dtype)
-            loss_metric_sum += float(micro_loss.detach()) / dp_size
-            local_tokens = float((mask[rows][:, :width] != 0).sum())
-            for name, value in micro_stats.items():
-                assert math.isfinite(float(value)), f"{name} is not finite on a micro-batch"
-                stat_weighted_sums[name] += float(value) * local_tokens
+            loss_sum += float(micro_loss.detach()) / meta.dp_size
+            for name, metric in micro_metrics.items():
+                assert math.isfinite(metric.value), f"{name} is not finite on a micro-batch"
+            records.append(micro_metrics)
         rank_grads.append(rank_leaf.grad)
     allreduced_grad = torch.stack(rank_grads).mean(0)  # DDP/FSDP average over ranks
 
     return dict(
         whole_loss=float(whole_loss.detach()),
         whole_grad=whole_grad,
-        whole_stats={k: float(v) for k, v in whole_stats.items()},
-        loss_metric_sum=loss_metric_sum,
+        whole_metrics=whole_metrics,
+        loss_sum=loss_sum,
         allreduced_grad=allreduced_grad,
-        stat_weighted_sums=stat_weighted_sums,
+        micro_records=records,
         total_tokens=float((mask != 0).sum()),
         dtype=leaf_init.dtype,
         loss_dtypes={whole_loss.dtype, *micro_loss_dtypes},
@@ -171,11 +181,19 @@ def assert_invariant(result):
     assert torch.isfinite(result["whole_grad"]).all()
     torch.testing.assert_close(result["allreduced_grad"], result["whole_grad"], rtol=rtol, atol=atol)
     loss_atol = atol + loss_atol_per_token * result["total_tokens"]
-    assert result["loss_metric_sum"] == pytest.approx(result["whole_loss"], rel=rtol, abs=loss_atol)
-    if result["total_tokens"] > 0:
-        for name, whole_value in result["whole_stats"].items():
-            weighted_mean = result["stat_weighted_sums"][name] / result["total_tokens"]
-            assert weighted_mean == pytest.approx(whole_value, rel=rtol, abs=atol), name
+    assert result["loss_sum"] == pytest.approx(result["whole_loss"], rel=rtol, abs=loss_atol)
+
+    whole = metrics.reduce_metrics([result["whole_metrics"]])
+    reduced = metrics.reduce_metrics(result["micro_records"])  # raises on mixed aggregations
+    assert reduced.keys() == whole.keys()
+    for name, metric in result["whole_metrics"].items():
+        split_kinds = {record[name].aggregation for record in result["micro_records"]}
+        if split_kinds == {metrics.Aggregation.SUM}:  # a loss value under metadata (the #6957 rule)
+            assert metric.aggregation is metrics.Aggregation.MEAN, name  # without metadata: MEAN
+            assert reduced[name] == pytest.approx(whole[name], rel=rtol, abs=loss_atol), name
+        else:
+            assert split_kinds == {metric.aggregation}, name
+            assert reduced[name] == pytest.approx(whole[name], rel=rtol, abs=atol), name
 
 
 @st.composite
@@ -194,24 +212,13 @@ def splits(draw):
     )
 
 
-@st.composite
-def clip_ranges(draw):
-    """Clip ranges of the policy and value losses, instead of fixed defaults."""
-    return dict(
-        clip_ratio_low=draw(st.floats(0.05, 0.5)),
-        clip_ratio_high=draw(st.floats(0.05, 0.5)),
-        clip_ratio_c=draw(st.floats(1.5, 5.0)),
-        cliprange_value=draw(st.floats(0.05, 0.5)),
-    )
-
-
 def setup_case(case):
     """The mask is drawn as 0/1 floats, then given to the losses in the drawn mask dtype; the
     values are drawn (randn below) in the drawn value dtype."""
     gen = torch.Generator().manual_seed(case["seed"])
     mask = random_mask(gen, case["rows"], case["width"], case["holes"]).to(case["mask_dtype"])
     plan = random_plan(gen, case["rows"], case["dp_size"])
-    meta = global_meta(mask, case["meta_as_tensor"])
+    meta = global_meta(mask, case["dp_size"], case["meta_as_tensor"])
     return gen, mask, plan, meta
 
 
@@ -222,6 +229,72 @@ def randn(gen, *shape, scale=1.0, dtype=DTYPE):
 
 def sliced(tensor, rows, width):
     return tensor[rows][:, :width]
+
+
+# ---------------------------------------------------------------- inputs and options of a term
+
+# Every option of every registered term's options dataclass, drawn over its meaningful range.
+OPTION_STRATEGIES = {
+    "clip_ratio_low": st.floats(0.05, 0.5),
+    "clip_ratio_high": st.floats(0.05, 0.5),
+    "clip_ratio_c": st.floats(1.5, 5.0),
+    "cliprange_value": st.floats(0.05, 0.5),
+    "entropy_coeff": st.floats(-1.0, 1.0).filter(lambda c: abs(c) > 1e-3),
+    "kl_loss_coef": st.floats(0.001, 1.0),
+    "kl_loss_type": st.sampled_from(KL_PENALTY_MODES),
+}
+
+
+def term_options(options_cls, mode: str, draw) -> LossOptions:
+    values = {}
+    for name in option_names(options_cls):
+        assert name in OPTION_STRATEGIES, f"option {name!r} of {options_cls.__name__}: add a strategy to OPTION_STRATEGIES"
+        values[name] = draw(OPTION_STRATEGIES[name])
+    return options_cls(loss_agg_mode=mode, loss_scale_factor=LOSS_SCALE_FACTOR, **values)
+
+
+def term_inputs(gen, keys, rows, width, dtype, outcome_advantages: bool) -> dict[str, torch.Tensor]:
+    """Random values of every batch key a term reads (but the mask). Wide log-ratios: many tokens
+    outside any clip range, some beyond the dual-clip bound; ref gaps past k3's clamp; old values
+    some beyond the value clip, some inside."""
+    shape = (rows, width)
+    log_probs = randn(gen, *shape, scale=0.5, dtype=dtype) - 1.0
+    vpreds = randn(gen, *shape, dtype=dtype)
+    advantages = randn(gen, *shape, scale=1.5, dtype=dtype)
+    if outcome_advantages:  # one advantage per response (GRPO-like)
+        advantages = advantages[:, :1].expand(shape).clone()
+    makers = {
+        "log_probs": lambda: log_probs,
+        "old_log_probs": lambda: log_probs + randn(gen, *shape, scale=0.8, dtype=dtype),
+        "ref_log_prob": lambda: log_probs + randn(gen, *shape, scale=1.5, dtype=dtype),
+        "advantages": lambda: advantages,
+        "entropy": lambda: randn(gen, *shape, dtype=dtype).abs() * 2,
+        "vpreds": lambda: vpreds,
+        "values": lambda: vpreds + randn(gen, *shape, scale=0.3, dtype=dtype),
+        "returns": lambda: randn(gen, *shape, dtype=dtype),
+    }
+    missing = [key for key in keys if key not in makers]
+    assert not missing, f"a term reads batch keys {missing}: add their generators to term_inputs"
+    return {key: makers[key]() for key in keys}
+
+
+def term_loss_fn(term_fn, options, inputs: dict[str, torch.Tensor], mask):
+    """A term as the harness's loss_fn; the leaf stacks all the float inputs, so the gradient with
+    respect to every one of them is checked."""
+    keys = list(inputs)
+
+    def loss_fn(leaf, rows, width, meta):
+        batch = {key: sliced(leaf[i], rows, width) for i, key in enumerate(keys)}
+        batch["response_mask"] = sliced(mask, rows, width)
+        return term_fn(batch, meta, options)
+
+    return loss_fn, torch.stack([inputs[key] for key in keys])
+
+
+def test_every_option_of_every_term_can_be_drawn():
+    for name, spec in registered_terms().items():
+        for option in option_names(spec.options):
+            assert option in OPTION_STRATEGIES, f"{name}: option {option!r} has no strategy here"
 
 
 # -------------------------------------------------------------------------------- the losses
@@ -235,111 +308,26 @@ def test_agg_loss_split_invariance(mode, case):
     theta = randn(gen, case["rows"], case["width"], dtype=case["dtype"])
     target = randn(gen, case["rows"], case["width"], dtype=case["dtype"])
 
-    def loss_fn(leaf, rows, width, dp_size, meta):
+    def loss_fn(leaf, rows, width, meta):
         # Nonlinear in the parameter so the gradient depends on each element's value.
         loss_mat = (sliced(leaf, rows, width) - sliced(target, rows, width)) ** 2 + sliced(leaf, rows, width)
-        return agg_loss(loss_mat, sliced(mask, rows, width), mode, dp_size=dp_size, **meta), {}
+        return agg_loss(loss_mat, sliced(mask, rows, width), mode, **agg_kwargs(meta)), {}
 
-    whole_meta = {"loss_scale_factor": LOSS_SCALE_FACTOR}
-    result = check_split_invariance(
-        lambda leaf, rows, width, dp, m: loss_fn(leaf, rows, width, dp, m or whole_meta),
-        theta, mask, plan, case["dp_size"], meta, case["trim"],
-    )
-    assert_invariant(result)
+    assert_invariant(check_split_invariance(loss_fn, theta, mask, plan, meta, case["trim"]))
 
 
+@pytest.mark.parametrize("term_name", sorted(registered_terms()))
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @HYPOTHESIS
-@given(case=splits(), clips=clip_ranges())
-def test_value_loss_split_invariance(mode, case, clips):
+@given(case=splits(), outcome_advantages=st.booleans(), data=st.data())
+def test_every_registered_term_split_invariance(term_name, mode, case, outcome_advantages, data):
+    spec = registered_terms()[term_name]
+    options = term_options(spec.options, mode, data.draw)
     gen, mask, plan, meta = setup_case(case)
-    shape, dtype = (case["rows"], case["width"]), case["dtype"]
-    vpreds = randn(gen, *shape, dtype=dtype)
-    old_values = vpreds + randn(gen, *shape, scale=0.3, dtype=dtype)  # some beyond the clip range, some inside
-    returns = randn(gen, *shape, dtype=dtype)
-
-    def loss_fn(leaf, rows, width, dp_size, meta):
-        meta = meta or {"loss_scale_factor": LOSS_SCALE_FACTOR}
-        vf_loss, vf_clipfrac = compute_value_loss(
-            sliced(leaf, rows, width),
-            sliced(returns, rows, width),
-            sliced(old_values, rows, width),
-            sliced(mask, rows, width),
-            cliprange_value=clips["cliprange_value"],
-            loss_agg_mode=mode,
-            dp_size=dp_size,
-            **meta,
-        )
-        return vf_loss, {"vf_clipfrac": vf_clipfrac}
-
-    assert_invariant(
-        check_split_invariance(loss_fn, vpreds, mask, plan, case["dp_size"], meta, case["trim"])
-    )
-
-
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-@HYPOTHESIS
-@given(case=splits())
-def test_entropy_loss_split_invariance(mode, case):
-    gen, mask, plan, meta = setup_case(case)
-    vocab = 5
-    logits = randn(gen, case["rows"], case["width"], vocab, scale=2.0, dtype=case["dtype"])
-
-    def loss_fn(leaf, rows, width, dp_size, meta):
-        meta = meta or {"loss_scale_factor": LOSS_SCALE_FACTOR}
-        entropy = entropy_from_logits(leaf[rows][:, :width])
-        micro_mask = sliced(mask, rows, width)
-        loss = compute_entropy_loss(entropy, micro_mask, mode, dp_size=dp_size, **meta)
-        return loss, {"entropy": masked_mean(entropy, micro_mask).detach()}
-
-    assert_invariant(
-        check_split_invariance(loss_fn, logits, mask, plan, case["dp_size"], meta, case["trim"])
-    )
-
-
-def policy_loss_case(gen, rows, width, dtype=DTYPE):
-    log_prob = randn(gen, rows, width, scale=0.5, dtype=dtype) - 1.0
-    # Wide log-ratios: many tokens outside [1-eps, 1+eps] and some beyond the dual-clip bound.
-    old_log_prob = log_prob + randn(gen, rows, width, scale=0.8, dtype=dtype)
-    advantages = randn(gen, rows, width, scale=1.5, dtype=dtype)
-    return log_prob, old_log_prob, advantages
-
-
-DEFAULT_CLIPS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-
-
-def policy_loss_fn_for(fn, mode, old_log_prob, advantages, mask, clips=DEFAULT_CLIPS):
-    def loss_fn(leaf, rows, width, dp_size, meta):
-        meta = meta or {"loss_scale_factor": LOSS_SCALE_FACTOR}
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = fn(
-            sliced(old_log_prob, rows, width),
-            sliced(leaf, rows, width),
-            sliced(advantages, rows, width),
-            sliced(mask, rows, width),
-            mode,
-            clip_ratio_low=clips["clip_ratio_low"],
-            clip_ratio_high=clips["clip_ratio_high"],
-            clip_ratio_c=clips["clip_ratio_c"],
-            dp_size=dp_size,
-            **meta,
-        )
-        stats = {"pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": pg_clipfrac_lower}
-        return pg_loss, stats
-
-    return loss_fn
-
-
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-@HYPOTHESIS
-@given(case=splits(), clips=clip_ranges())
-def test_every_registered_policy_loss_split_invariance(name, mode, case, clips):
-    gen, mask, plan, meta = setup_case(case)
-    log_prob, old_log_prob, advantages = policy_loss_case(gen, case["rows"], case["width"], case["dtype"])
-    loss_fn = policy_loss_fn_for(POLICY_LOSSES[name], mode, old_log_prob, advantages, mask, clips)
-    assert_invariant(
-        check_split_invariance(loss_fn, log_prob, mask, plan, case["dp_size"], meta, case["trim"])
-    )
+    keys = [key for key in spec.inputs if key != "response_mask"]
+    inputs = term_inputs(gen, keys, case["rows"], case["width"], case["dtype"], outcome_advantages)
+    loss_fn, leaf_init = term_loss_fn(spec.fn, options, inputs, mask)
+    assert_invariant(check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"]))
 
 
 @pytest.mark.parametrize("kl_type", KL_PENALTY_MODES)
@@ -347,23 +335,55 @@ def test_every_registered_policy_loss_split_invariance(name, mode, case, clips):
 @KL_HYPOTHESIS
 @given(case=splits())
 def test_kl_loss_split_invariance(mode, kl_type, case):
-    """The KL-in-loss term: agg_loss(kl_penalty(log_prob, ref_log_prob, type)) for every estimator."""
+    """The KL term with every estimator for sure (the term test draws the type at random)."""
+    spec = LOSS_TERMS["kl_loss"]
+    options = spec.options(loss_agg_mode=mode, loss_scale_factor=LOSS_SCALE_FACTOR, kl_loss_type=kl_type, kl_loss_coef=0.3)
     gen, mask, plan, meta = setup_case(case)
-    shape, dtype = (case["rows"], case["width"]), case["dtype"]
-    log_prob = randn(gen, *shape, scale=0.5, dtype=dtype) - 1.0
-    # both signs, and some ref - log_prob > 2.53, where k3 = e^x - x - 1 passes its clamp at 10
-    ref_log_prob = log_prob + randn(gen, *shape, scale=1.5, dtype=dtype)
+    inputs = term_inputs(gen, ["log_probs", "ref_log_prob"], case["rows"], case["width"], case["dtype"], False)
+    loss_fn, leaf_init = term_loss_fn(spec.fn, options, inputs, mask)
+    assert_invariant(check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"]))
 
-    def loss_fn(leaf, rows, width, dp_size, meta):
-        meta = meta or {"loss_scale_factor": LOSS_SCALE_FACTOR}
-        kl = kl_penalty(sliced(leaf, rows, width), sliced(ref_log_prob, rows, width), kl_type)
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@HYPOTHESIS
+@given(case=splits())
+def test_entropy_from_logits_bonus_and_statistic_split_invariance(mode, case):
+    """The actor's entropy path: entropy_from_logits, the bonus term, the entropy statistic."""
+    gen, mask, plan, meta = setup_case(case)
+    vocab = 5
+    logits = randn(gen, case["rows"], case["width"], vocab, scale=2.0, dtype=case["dtype"])
+    options = EntropyBonusOptions(loss_agg_mode=mode, loss_scale_factor=LOSS_SCALE_FACTOR, entropy_coeff=0.7)
+
+    def loss_fn(leaf, rows, width, meta):
+        entropy = entropy_from_logits(leaf[rows][:, :width])
         micro_mask = sliced(mask, rows, width)
-        kl_loss = agg_loss(kl, micro_mask, mode, dp_size=dp_size, **meta)
-        return kl_loss, {"kl": masked_mean(kl, micro_mask).detach()}
+        loss, term_metrics = entropy_bonus_term({"entropy": entropy, "response_mask": micro_mask}, meta, options)
+        return loss, {**term_metrics, "entropy": masked_mean_metric(entropy, micro_mask)}
 
-    assert_invariant(
-        check_split_invariance(loss_fn, log_prob, mask, plan, case["dp_size"], meta, case["trim"])
-    )
+    assert_invariant(check_split_invariance(loss_fn, logits, mask, plan, meta, case["trim"]))
+
+
+@pytest.mark.parametrize("policy_loss", sorted(POLICY_LOSSES))
+@HYPOTHESIS
+@given(case=splits(), data=st.data())
+def test_composed_actor_loss_split_invariance(policy_loss, case, data):
+    """The actor's sum of terms (compose_loss), with its prefixed metrics."""
+    mode = data.draw(st.sampled_from(LOSS_AGG_MODES))
+    terms = [LossTerm("policy_loss", POLICY_LOSSES[policy_loss],
+                      term_options(POLICY_LOSSES[policy_loss].options, mode, data.draw))]
+    terms += [LossTerm(name, LOSS_TERMS[name], term_options(LOSS_TERMS[name].options, mode, data.draw))
+              for name in ("entropy_bonus", "kl_loss")]
+    gen, mask, plan, meta = setup_case(case)
+    keys = sorted({key for term in terms for key in term.spec.inputs} - {"response_mask"})
+    inputs = term_inputs(gen, keys, case["rows"], case["width"], case["dtype"], False)
+
+    def composed(batch, meta, _options):
+        return compose_loss(terms, batch, meta, prefix="actor/")
+
+    loss_fn, leaf_init = term_loss_fn(composed, None, inputs, mask)
+    result = check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"])
+    assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"} <= result["whole_metrics"].keys()
+    assert_invariant(result)
 
 
 def test_loss_metric_rule_through_rlflow_metrics():
@@ -372,29 +392,22 @@ def test_loss_metric_rule_through_rlflow_metrics():
     rows, width, dp_size = 9, 6, 3
     mask = random_mask(gen, rows, width, holes=True)
     plan = random_plan(gen, rows, dp_size)
-    meta = global_meta(mask, as_tensor=True)
-    log_prob, old_log_prob, advantages = policy_loss_case(gen, rows, width)
-    fn = POLICY_LOSSES["vanilla"]
+    meta = global_meta(mask, dp_size, as_tensor=True)
+    spec = POLICY_LOSSES["vanilla"]
+    options = spec.options(loss_agg_mode="token-mean")
+    inputs = term_inputs(gen, ["log_probs", "old_log_probs", "advantages"], rows, width, DTYPE, False)
 
-    whole = fn(old_log_prob, log_prob, advantages, mask, "token-mean")
+    whole_loss, whole = spec.fn({**inputs, "response_mask": mask}, None, options)
     records = []
     for shard in plan:
         for rows_idx in shard:
-            micro_mask = mask[rows_idx]
-            pg_loss, pg_clipfrac, ppo_kl, _ = fn(
-                old_log_prob[rows_idx], log_prob[rows_idx], advantages[rows_idx], micro_mask,
-                "token-mean", dp_size=dp_size, **meta,
-            )
-            local_tokens = float(micro_mask.sum())
-            records.append({
-                "actor/pg_loss": metrics.loss_metric(float(pg_loss), dp_size, has_global_meta=True),
-                "actor/pg_clipfrac": metrics.token_mean_metric(float(pg_clipfrac), local_tokens),
-                "actor/ppo_kl": metrics.token_mean_metric(float(ppo_kl), local_tokens),
-            })
+            micro = {key: value[rows_idx] for key, value in inputs.items()}
+            records.append(spec.fn({**micro, "response_mask": mask[rows_idx]}, meta, options)[1])
+            assert records[-1]["pg_clipfrac"].weight == float(mask[rows_idx].sum())  # the local token count
     reduced = metrics.reduce_metrics(records)
-    assert reduced["actor/pg_loss"] == pytest.approx(float(whole[0]), rel=RTOL)
-    assert reduced["actor/pg_clipfrac"] == pytest.approx(float(whole[1]), rel=RTOL, abs=ATOL)
-    assert reduced["actor/ppo_kl"] == pytest.approx(float(whole[2]), rel=RTOL, abs=ATOL)
+    assert reduced["pg_loss"] == pytest.approx(float(whole_loss), rel=RTOL)
+    assert reduced["pg_clipfrac"] == pytest.approx(whole["pg_clipfrac"].value, rel=RTOL, abs=ATOL)
+    assert reduced["ppo_kl"] == pytest.approx(whole["ppo_kl"].value, rel=RTOL, abs=ATOL)
 
 
 # ---------------------------------------------------------------------- negative controls
@@ -411,11 +424,11 @@ def uneven_example():
 def test_negative_control_token_mean_without_metadata_depends_on_split():
     mask, theta, plan = uneven_example()
 
-    def loss_fn(leaf, rows, width, dp_size, meta):
+    def loss_fn(leaf, rows, width, meta):
         # No metadata at all: each micro-batch normalises by its own token count.
         return agg_loss(leaf[rows] ** 2, mask[rows], "token-mean"), {}
 
-    result = check_split_invariance(loss_fn, theta, mask, plan, 1, {}, trim=False)
+    result = check_split_invariance(loss_fn, theta, mask, plan, global_meta(mask, 1, True), trim=False)
     # Whole: d/dθ (Σ θ²)/4 = θ/2 on valid tokens. Per micro-batch: row 0 gets 2θ/1, row 1 2θ/3.
     expected_whole = torch.tensor([[0.25, 0, 0, 0], [0.5, -1.0, 1.5, 0]], dtype=DTYPE)
     expected_accumulated = torch.tensor([[1.0, 0, 0, 0], [2 / 3, -4 / 3, 2.0, 0]], dtype=DTYPE)
@@ -426,26 +439,23 @@ def test_negative_control_token_mean_without_metadata_depends_on_split():
         assert_invariant(result)
 
     # The same split with the mini-batch metadata is invariant: the harness can also pass.
-    def loss_fn_meta(leaf, rows, width, dp_size, meta):
-        return agg_loss(leaf[rows] ** 2, mask[rows], "token-mean", dp_size=dp_size, **meta), {}
+    def loss_fn_meta(leaf, rows, width, meta):
+        return agg_loss(leaf[rows] ** 2, mask[rows], "token-mean", **agg_kwargs(meta)), {}
 
-    assert_invariant(
-        check_split_invariance(loss_fn_meta, theta, mask, plan, 1, global_meta(mask, True), False)
-    )
+    assert_invariant(check_split_invariance(loss_fn_meta, theta, mask, plan, global_meta(mask, 1, True), False))
 
 
 def test_negative_control_padded_width_as_scale_factor_depends_on_split():
     """verl's default loss_scale_factor (the padded width) breaks invariance once micro-batches
     are unpadded to their own width; a constant does not."""
     mask, theta, plan = uneven_example()
-    meta = global_meta(mask, True)
 
-    def loss_fn(leaf, rows, width, dp_size, m):
+    def loss_fn(leaf, rows, width, meta):
         micro_mask = mask[rows][:, :width]
-        m = {**m, "loss_scale_factor": micro_mask.shape[-1]} if m else {"loss_scale_factor": 4}
-        return agg_loss(leaf[rows][:, :width] ** 2, micro_mask, "seq-mean-token-sum-norm", dp_size=dp_size, **m), {}
+        kwargs = {**agg_kwargs(meta), "loss_scale_factor": micro_mask.shape[-1] if meta else 4}
+        return agg_loss(leaf[rows][:, :width] ** 2, micro_mask, "seq-mean-token-sum-norm", **kwargs), {}
 
-    result = check_split_invariance(loss_fn, theta, mask, plan, 1, meta, trim=True)
+    result = check_split_invariance(loss_fn, theta, mask, plan, global_meta(mask, 1, True), trim=True)
     assert (result["allreduced_grad"] - result["whole_grad"]).abs().max() > 0.1
 
 
@@ -453,18 +463,35 @@ def test_negative_control_loss_that_bypasses_agg_loss_is_caught():
     """A policy loss that averages sequence losses itself (like verl's geo_mean, PR #5614) is
     K times off with K micro-batches; the harness used over the registry detects it."""
 
-    def bypassing_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", **kw):
-        seq_loss = -masked_mean(advantages * torch.exp(log_prob - old_log_prob), response_mask, axis=-1)
-        zero = torch.zeros((), dtype=log_prob.dtype)
-        return seq_loss.mean(), zero, zero, zero  # ignores dp_size and the global counts
+    def bypassing_loss(batch, meta, options):
+        ratio = torch.exp(batch["log_probs"] - batch["old_log_probs"])
+        seq_loss = -masked_mean(batch["advantages"] * ratio, batch["response_mask"], axis=-1)
+        return seq_loss.mean(), {}  # ignores dp_size and the global counts
 
     gen = torch.Generator().manual_seed(0)
     rows, width = 6, 5
     mask = torch.ones(rows, width, dtype=DTYPE)
     plan = [[torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5])]]
-    log_prob, old_log_prob, advantages = policy_loss_case(gen, rows, width)
-    loss_fn = policy_loss_fn_for(bypassing_loss, "seq-mean-token-mean", old_log_prob, advantages, mask)
-    result = check_split_invariance(loss_fn, log_prob, mask, plan, 1, global_meta(mask, True), False)
+    inputs = term_inputs(gen, ["log_probs", "old_log_probs", "advantages"], rows, width, DTYPE, False)
+    loss_fn, leaf_init = term_loss_fn(bypassing_loss, LossOptions(loss_agg_mode="seq-mean-token-mean"), inputs, mask)
+    result = check_split_invariance(loss_fn, leaf_init, mask, plan, global_meta(mask, 1, True), False)
     torch.testing.assert_close(result["allreduced_grad"], 3 * result["whole_grad"])  # K = 3
     with pytest.raises(AssertionError):
+        assert_invariant(result)
+
+
+def test_negative_control_metric_weighted_by_the_wrong_count_is_caught():
+    """A token statistic weighted by sequences instead of tokens reduces to a different mean."""
+    gen = torch.Generator().manual_seed(5)
+    mask, plan = random_mask(gen, 8, 6, holes=True), [[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])]]
+    values = randn(gen, 8, 6)
+
+    def loss_fn(leaf, rows, width, meta):
+        micro_mask = mask[rows]
+        stat = masked_mean_metric(leaf[rows], micro_mask)
+        wrong = metrics.Metric(stat.value, stat.aggregation, weight=float(len(rows)))
+        return agg_loss(leaf[rows], micro_mask, "token-mean", **agg_kwargs(meta)), {"stat": wrong}
+
+    result = check_split_invariance(loss_fn, values, mask, plan, global_meta(mask, 1, False), False)
+    with pytest.raises(AssertionError, match="stat"):
         assert_invariant(result)

@@ -2,32 +2,52 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlflow.algos import (
     LOSS_AGG_MODES,
+    LOSS_TERMS,
     POLICY_LOSSES,
     AdaptiveKLController,
+    DualClipOptions,
     FixedKLController,
+    GeoMeanOptions,
+    GSPOOptions,
+    LossOptionError,
+    LossOptions,
+    ValueLossOptions,
     agg_loss,
+    aggregate,
+    aggregated_loss_metric,
+    compose_loss,
+    compute_policy_loss_geo_mean,
     compute_policy_loss_gspo,
     compute_policy_loss_reinforce,
     compute_policy_loss_vanilla,
     compute_value_loss,
     entropy_from_logits,
     get_kl_controller,
+    get_policy_loss,
     get_policy_loss_fn,
     kl_penalty,
     masked_mean,
+    masked_mean_metric,
     masked_whiten,
+    register_policy_loss,
+    value_loss_term,
 )
+from rlflow.algos.terms import LossTerm, actor_loss_terms, options_from_section
+from rlflow.metrics import Aggregation
+from rlflow.protocol import BatchMeta
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 D = torch.float64
@@ -137,6 +157,10 @@ def test_masked_helpers():
 # ------------------------------------------------------------------------------ policy losses
 
 
+def policy_batch(old_log_prob, log_prob, advantages, mask) -> dict:
+    return {"old_log_probs": old_log_prob, "log_probs": log_prob, "advantages": advantages, "response_mask": mask}
+
+
 def test_vanilla_dual_clip_hand_example():
     # clip 0.2/0.2, dual clip c = 3. Per token (A, ratio) -> loss:
     #  1: (-1, 5)   unclipped 5, clipped 1.2 -> max 5 -> dual min(5, 3) = 3   (lower-clipped)
@@ -151,23 +175,43 @@ def test_vanilla_dual_clip_hand_example():
     old_log_prob = torch.zeros_like(ratio)
     advantages = torch.tensor([[-1.0, -1.0, 1.0, 1.0, -1.0, -1.0]], dtype=D)
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=D)
-    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss_vanilla(
-        old_log_prob, log_prob, advantages, mask, "token-mean", clip_ratio_c=3.0
+    pg_loss, metrics = compute_policy_loss_vanilla(
+        policy_batch(old_log_prob, log_prob, advantages, mask), None, DualClipOptions(clip_ratio_c=3.0)
     )
     assert float(pg_loss.detach()) == pytest.approx(0.82)
-    assert float(clipfrac) == pytest.approx(0.4)
-    assert float(clipfrac_lower) == pytest.approx(0.2)
-    assert float(ppo_kl) == pytest.approx(-float(ratio.log()[0, :5].mean()))
+    assert metrics["pg_clipfrac"].value == pytest.approx(0.4)
+    assert metrics["pg_clipfrac_lower"].value == pytest.approx(0.2)
+    assert metrics["ppo_kl"].value == pytest.approx(-float(ratio.log()[0, :5].mean()))
+    # a local call (no BatchMeta): the loss is a MEAN; token statistics weigh the 5 valid tokens
+    assert metrics["pg_loss"].value == pytest.approx(0.82) and metrics["pg_loss"].aggregation is Aggregation.MEAN
+    assert {m.weight for k, m in metrics.items() if k != "pg_loss"} == {5.0}
     pg_loss.backward()
     # d(-A * ratio)/d log_prob = -A * ratio on unclipped tokens, / 5 tokens; clipped ones get 0.
     expected = torch.tensor([[0.0, 2.0, 0.0, -0.5, 0.0, 0.0]], dtype=D) / 5
     torch.testing.assert_close(log_prob.grad, expected)
 
 
+def test_policy_loss_under_batch_meta_is_a_slice_of_the_mini_batch():
+    # the same 5 tokens as one micro-batch of a mini-batch of 20 tokens on 2 ranks
+    x = torch.tensor([[0.1, -0.2, 0.3]], dtype=D)
+    batch = policy_batch(torch.zeros_like(x), x, torch.ones_like(x), torch.ones_like(x))
+    meta = BatchMeta(dp_size=2, batch_num_tokens=20, global_batch_size=4, loss_scale_factor=3.0)
+    local_loss, _ = compute_policy_loss_reinforce(batch, None, LossOptions())
+    loss, metrics = compute_policy_loss_reinforce(batch, meta, LossOptions())
+    assert float(loss) == pytest.approx(float(local_loss) * 3 / 20 * 2)
+    assert metrics["pg_loss"].aggregation is Aggregation.SUM and metrics["pg_loss"].value == pytest.approx(float(loss) / 2)
+
+
 def test_vanilla_rejects_clip_ratio_c_at_most_one():
-    x = torch.zeros(1, 2, dtype=D)
-    with pytest.raises(ValueError, match="clip_ratio_c"):
-        compute_policy_loss_vanilla(x, x, x, torch.ones_like(x), clip_ratio_c=1.0)
+    with pytest.raises(LossOptionError, match="clip_ratio_c must be > 1.0"):
+        DualClipOptions(clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("bad", [{"clip_ratio_low": 1.0}, {"clip_ratio_high": -0.1}, {"clip_ratio_low": "0.2"},
+                                 {"loss_agg_mode": "mean"}])
+def test_options_are_checked_when_built(bad):
+    with pytest.raises(ValueError):
+        DualClipOptions(**bad)
 
 
 def test_gspo_token_form_equals_sequence_objective():
@@ -181,10 +225,8 @@ def test_gspo_token_form_equals_sequence_objective():
     advantages = seq_adv.unsqueeze(-1).expand(4, 4)
 
     log_prob = log_prob_init.clone().requires_grad_(True)
-    pg_loss, *_ = compute_policy_loss_gspo(
-        old_log_prob, log_prob, advantages, mask, "seq-mean-token-mean",
-        clip_ratio_low=0.1, clip_ratio_high=0.1,
-    )
+    options = GSPOOptions(loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.1, clip_ratio_high=0.1)
+    pg_loss, _ = compute_policy_loss_gspo(policy_batch(old_log_prob, log_prob, advantages, mask), None, options)
     pg_loss.backward()
 
     direct_lp = log_prob_init.clone().requires_grad_(True)
@@ -195,18 +237,64 @@ def test_gspo_token_form_equals_sequence_objective():
     torch.testing.assert_close(log_prob.grad, direct_lp.grad)
 
 
+def test_gspo_clamps_token_log_ratios_like_every_loss():
+    # token log-ratios 50 and -10: clamped to 20 and -10, the sequence log-ratio is 5 (not 20,
+    # which the straight-through clamp would have cut to 10); A = -1 puts the loss on the ratio
+    log_prob = torch.tensor([[50.0, -10.0]], dtype=D)
+    batch = policy_batch(torch.zeros_like(log_prob), log_prob, -torch.ones_like(log_prob), torch.ones_like(log_prob))
+    pg_loss, metrics = compute_policy_loss_gspo(batch, None, GSPOOptions())
+    assert float(pg_loss) == pytest.approx(math.exp(5.0))
+    assert metrics["ppo_kl"].value == pytest.approx(-5.0)
+
+
 def test_reinforce_on_policy_gradient():
     lp = torch.tensor([[-1.0, -2.0, -3.0]], dtype=D, requires_grad=True)
     adv = torch.tensor([[2.0, -1.0, 5.0]], dtype=D)
     mask = torch.tensor([[1, 1, 0]], dtype=D)
-    loss, *_ = compute_policy_loss_reinforce(lp.detach(), lp, adv, mask, "token-mean")
+    loss, metrics = compute_policy_loss_reinforce(policy_batch(lp.detach(), lp, adv, mask), None, LossOptions())
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[-1.0, 0.5, 0.0]], dtype=D))
+    assert metrics["pg_clipfrac"].value == 0.0 and metrics["pg_clipfrac_lower"].value == 0.0  # no clip
+
+
+# Row 0: A = +1 on 3 tokens, log-ratios 0.5, -0.1, 0.2. Row 1: A = -2 on 2 tokens (and padding),
+# log-ratios -0.5, 0.1. Each token is clipped pessimistically for its row's sign.
+GEO_LOG_RATIO = torch.tensor([[0.5, -0.1, 0.2], [-0.5, 0.1, 30.0]], dtype=D)
+GEO_ADV = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 9.0]], dtype=D)
+GEO_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=D)
+
+
+def geo_mean_by_hand(clip: float) -> float:
+    """token-mean of the row losses broadcast on the rows' tokens (3 and 2 of them)."""
+    row0 = [min(0.5, clip), -0.1, 0.2]  # A > 0: an upper clip only
+    row1 = [max(-0.5, -clip), 0.1]  # A < 0: a lower clip only
+    loss0 = -1.0 * math.exp(sum(row0) / 3)
+    loss1 = 2.0 * math.exp(sum(row1) / 2)
+    return (3 * loss0 + 2 * loss1) / 5
+
+
+@pytest.mark.parametrize("options, clip", [(GeoMeanOptions(), 0.4), (GeoMeanOptions(clip_ratio_low=0.3, clip_ratio_high=0.3), 0.3)])
+def test_geo_mean_hand_example(options, clip):
+    batch = policy_batch(torch.zeros_like(GEO_LOG_RATIO), GEO_LOG_RATIO, GEO_ADV, GEO_MASK)
+    pg_loss, metrics = compute_policy_loss_geo_mean(batch, None, options)
+    assert float(pg_loss) == pytest.approx(geo_mean_by_hand(clip))
+    assert metrics["pg_clipfrac"].value == pytest.approx(2 / 5)  # 0.5 in row 0, -0.5 in row 1
+
+
+def test_geo_mean_clips_by_the_sign_of_the_rows_advantage():
+    # one row, advantages +2 and -1 (mean +0.5), both log-ratios 0.6, clip 0.4: the row's sign is +,
+    # so both are clipped to 0.4 (a per-token sign would have kept 0.6 on the second)
+    log_ratio = torch.tensor([[0.6, 0.6]], dtype=D)
+    batch = policy_batch(torch.zeros_like(log_ratio), log_ratio, torch.tensor([[2.0, -1.0]], dtype=D), torch.ones_like(log_ratio))
+    pg_loss, metrics = compute_policy_loss_geo_mean(batch, None, GeoMeanOptions())
+    assert float(pg_loss) == pytest.approx(-0.5 * math.exp(0.4))
+    assert metrics["pg_clipfrac"].value == 1.0
 
 
 def test_policy_loss_registry():
     assert {"vanilla", "gspo", "reinforce", "geo_mean"} <= set(POLICY_LOSSES)
     assert get_policy_loss_fn("vanilla") is compute_policy_loss_vanilla
+    assert get_policy_loss("geo_mean").options is GeoMeanOptions
     with pytest.raises(ValueError) as err:
         get_policy_loss_fn("ppo2")
     for name in POLICY_LOSSES:
@@ -216,8 +304,101 @@ def test_policy_loss_registry():
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_every_policy_loss_refuses_dp_without_metadata(name):
     x = torch.zeros(2, 3, dtype=D)
+    meta_without_counts = BatchMeta(dp_size=2, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    spec = get_policy_loss(name)
     with pytest.raises(ValueError, match="dp_size=2"):
-        get_policy_loss_fn(name)(x, x, x, torch.ones_like(x), "token-mean", dp_size=2)
+        spec.fn(policy_batch(x, x, x, torch.ones_like(x)), meta_without_counts, spec.options())
+
+
+# ------------------------------------------------------------------------ options from the config
+
+
+def actor_section(**fields):
+    """What the builders read of rlflow.config.ActorConfig."""
+    defaults = dict(policy_loss="vanilla", policy_loss_options={}, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                    clip_ratio_c=3.0, loss_agg_mode="token-mean", loss_scale_factor=8.0, entropy_coeff=0.0,
+                    use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl")
+    return SimpleNamespace(**{**defaults, **fields})
+
+
+def test_the_actor_clip_ratios_are_the_defaults_of_the_ppo_ratio_losses_only():
+    section = actor_section(clip_ratio_low=0.1, clip_ratio_high=0.25, clip_ratio_c=2.0)
+    vanilla = options_from_section(DualClipOptions, section)
+    assert (vanilla.clip_ratio_low, vanilla.clip_ratio_high, vanilla.clip_ratio_c) == (0.1, 0.25, 2.0)
+    assert options_from_section(GSPOOptions, section).clip_ratio_high == 0.25
+    geo = options_from_section(GeoMeanOptions, section)  # log-space: its own defaults, GMPO's 0.4
+    assert (geo.clip_ratio_low, geo.clip_ratio_high) == (0.4, 0.4)
+    # the loss's own options win over the section's
+    own = options_from_section(DualClipOptions, section, {"clip_ratio_high": 0.5}, loss_agg_mode="token-sum")
+    assert (own.clip_ratio_high, own.clip_ratio_low, own.loss_agg_mode) == (0.5, 0.1, "token-sum")
+    with pytest.raises(LossOptionError, match="clip_ratio_c is not an option of GeoMeanOptions; valid: clip_ratio_low, clip_ratio_high"):
+        options_from_section(GeoMeanOptions, section, {"clip_ratio_c": 2.0})
+
+
+def test_actor_terms_follow_the_section():
+    names = lambda section: [term.name for term in actor_loss_terms(section)]  # noqa: E731
+    assert names(actor_section()) == ["policy_loss"]
+    assert names(actor_section(entropy_coeff=0.01, use_kl_loss=True)) == ["policy_loss", "entropy_bonus", "kl_loss"]
+    terms = actor_loss_terms(actor_section(policy_loss="geo_mean", policy_loss_options={"clip_ratio_low": 0.3, "clip_ratio_high": 0.3}))
+    batch = policy_batch(torch.zeros_like(GEO_LOG_RATIO), GEO_LOG_RATIO, GEO_ADV, GEO_MASK)
+    loss, metrics = compose_loss(terms, batch, None, prefix="actor/")
+    assert float(loss) == pytest.approx(geo_mean_by_hand(0.3))
+    assert set(metrics) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+def test_a_missing_batch_key_names_the_term_and_the_key():
+    term = actor_loss_terms(actor_section(use_kl_loss=True))[-1]
+    x = torch.zeros(1, 2, dtype=D)
+    with pytest.raises(KeyError, match="'kl_loss' reads batch keys \\['ref_log_prob'\\]"):
+        term({"log_probs": x, "response_mask": x}, None)
+
+
+# A new term without touching any existing signature: an off-policy correction that weights each
+# token's policy-gradient term by a truncated importance weight, a new batch key, with a new option.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TruncatedISOptions(LossOptions):
+    max_weight: float = 2.0
+
+
+def truncated_is_policy_loss(batch, meta, options: TruncatedISOptions):
+    mask = batch["response_mask"]
+    weight = torch.clamp(batch["importance_weights"], max=options.max_weight)
+    per_token = -batch["advantages"] * weight * batch["log_probs"]
+    pg_loss = aggregate(per_token, mask, meta, options)
+    return pg_loss, {"pg_loss": aggregated_loss_metric(pg_loss, meta), "is_weight": masked_mean_metric(weight, mask)}
+
+
+@pytest.fixture
+def truncated_is_registered():
+    inputs = ("log_probs", "advantages", "importance_weights", "response_mask")
+    register_policy_loss("truncated_is_test", options=TruncatedISOptions, inputs=inputs)(truncated_is_policy_loss)
+    yield POLICY_LOSSES["truncated_is_test"]
+    del POLICY_LOSSES["truncated_is_test"]
+
+
+def test_a_new_term_with_a_new_input_and_option(truncated_is_registered):
+    section = actor_section(policy_loss="truncated_is_test", policy_loss_options={"max_weight": 1.5}, entropy_coeff=0.5)
+    terms = actor_loss_terms(section)
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=D, requires_grad=True)
+    entropy = torch.tensor([[0.4, 0.2, 9.0]], dtype=D)
+    batch = {"log_probs": lp, "advantages": torch.tensor([[1.0, -1.0, 1.0]], dtype=D), "entropy": entropy,
+             "importance_weights": torch.tensor([[0.5, 3.0, 1.0]], dtype=D), "response_mask": torch.tensor([[1, 1, 0]], dtype=D)}
+    meta = BatchMeta(dp_size=1, batch_num_tokens=4, global_batch_size=2, loss_scale_factor=8.0)
+    loss, metrics = compose_loss(terms, batch, meta, prefix="actor/")
+    # weights 0.5 and min(3, 1.5): pg = -(1 * 0.5 * -1 + -1 * 1.5 * -2) / 4 tokens; entropy 0.6 / 4
+    assert float(loss.detach()) == pytest.approx(-(0.5 * -1.0 + 1.5 * 2.0) / 4 - 0.5 * 0.6 / 4)
+    assert metrics["actor/is_weight"].value == pytest.approx(1.0) and metrics["actor/is_weight"].weight == 2
+    assert metrics["actor/entropy_loss"].value == pytest.approx(0.6 / 4)
+    with pytest.raises(KeyError, match="importance_weights"):
+        terms[0]({k: v for k, v in batch.items() if k != "importance_weights"}, meta)
+
+
+def test_two_terms_reporting_one_metric_is_an_error():
+    x = torch.ones(1, 2, dtype=D)
+    term = LossTerm("value_loss", LOSS_TERMS["value_loss"], ValueLossOptions())
+    batch = {"vpreds": x, "values": x, "returns": x, "response_mask": x}
+    with pytest.raises(ValueError, match="'critic/vf_loss' is reported by two loss terms"):
+        compose_loss([term, term], batch, None, prefix="critic/")
 
 
 # --------------------------------------------------------------------------------- value loss
@@ -234,6 +415,11 @@ def test_value_loss_hand_example():
     vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
     assert float(vf_loss) == pytest.approx(0.4625)
     assert float(vf_clipfrac) == pytest.approx(0.5)
+    # the term: the same loss, the clip fraction weighted by the 2 valid tokens
+    batch = {"vpreds": vpreds, "returns": returns, "values": values, "response_mask": mask}
+    term_loss, metrics = value_loss_term(batch, None, ValueLossOptions(cliprange_value=0.2))
+    assert float(term_loss) == float(vf_loss) and metrics["vf_loss"].value == float(vf_loss)
+    assert metrics["vf_clipfrac"].value == pytest.approx(0.5) and metrics["vf_clipfrac"].weight == 2
 
 
 # ------------------------------------------------------------------------------------ entropy

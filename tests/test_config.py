@@ -88,3 +88,37 @@ def test_every_shipped_recipe_loads():
 def test_default_yaml_matches_the_schema_defaults():
     shipped = load_config(REPO / "configs" / "default.yaml")
     assert OmegaConf.to_container(shipped) == OmegaConf.to_container(load_config(None))
+
+
+def test_policy_loss_options_reach_the_loss_term():
+    from rlflow.algos import GeoMeanOptions, actor_loss_terms
+
+    cfg = to_dataclass(load_config(None, ["actor.policy_loss=geo_mean", "actor.policy_loss_options.clip_ratio_low=0.3",
+                                          "actor.loss_agg_mode=seq-mean-token-mean"]))
+    options = actor_loss_terms(cfg.actor)[0].options
+    assert options == GeoMeanOptions(clip_ratio_low=0.3, clip_ratio_high=0.4, loss_agg_mode="seq-mean-token-mean",
+                                     loss_scale_factor=cfg.actor.loss_scale_factor)
+    # actor.clip_ratio_* are the PPO ratio clip: the defaults of vanilla's options, not geo_mean's
+    vanilla = actor_loss_terms(to_dataclass(load_config(None, ["actor.clip_ratio_high=0.28"])).actor)[0].options
+    assert vanilla.clip_ratio_high == 0.28
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["actor.policy_loss=geo_mean", "actor.policy_loss_options.clip_ratio_c=2"],
+         r"actor\.policy_loss_options\.clip_ratio_c is not an option of actor\.policy_loss='geo_mean'; "
+         r"valid: clip_ratio_low, clip_ratio_high"),
+        (["actor.policy_loss_options.clip_ratio=0.2"], r"actor\.policy_loss_options\.clip_ratio is not an option.*clip_ratio_c"),
+        (["actor.policy_loss=reinforce", "actor.policy_loss_options.clip_ratio_low=0.2"], r"valid: \(none\)"),
+        (["actor.policy_loss_options.clip_ratio_c=1.0"], r"actor\.policy_loss_options\.clip_ratio_c must be > 1\.0"),
+        (["actor.clip_ratio_c=0.5"], r"actor\.clip_ratio_c must be > 1\.0"),
+        (["actor.policy_loss=geo_mean", "actor.policy_loss_options.clip_ratio_low=-0.1"],
+         r"actor\.policy_loss_options\.clip_ratio_low must be >= 0"),
+        (["actor.policy_loss_options.clip_ratio_low=big"], r"actor\.policy_loss_options\.clip_ratio_low must be a number"),
+        (["critic.cliprange_value=-1"], r"critic\.cliprange_value must be >= 0"),
+    ],
+)
+def test_bad_loss_options_name_the_key(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, overrides)

@@ -62,7 +62,9 @@ EXTRA_TOKENS, EXTRA_SEQS = 13, 3  # the rest of the mini-batch, on other micro-b
 LOSS_SCALE_FACTOR = 5.0  # the BatchMeta's; the config's (data.max_response_length) is 6
 
 TEMPERATURE = 0.7
-CLIP_LOW, CLIP_HIGH, CLIP_C = 0.15, 0.3, 2.5
+CLIP_LOW, CLIP_HIGH, CLIP_C = 0.15, 0.3, 2.5  # actor.clip_ratio_*: vanilla's and gspo's clip
+GEO_CLIP = (0.4, 0.4)  # geo_mean's own default (GMPO's; log space), not the actor's clip_ratio_*
+GEO_OWN_CLIP = (0.25, 0.35)  # geo_mean's clip set through actor.policy_loss_options
 ENTROPY_COEFF, KL_COEF = 0.05, 0.27
 CLIPRANGE_VALUE = 0.3
 
@@ -104,27 +106,30 @@ def reference_lm(tiny_model_dir):
     return model
 
 
+BASE_OVERRIDES = {
+    "actor.entropy_coeff": ENTROPY_COEFF,
+    "actor.use_kl_loss": True,
+    "actor.kl_loss_coef": KL_COEF,
+    "actor.clip_ratio_low": CLIP_LOW,
+    "actor.clip_ratio_high": CLIP_HIGH,
+    "actor.clip_ratio_c": CLIP_C,
+    "rollout.temperature": TEMPERATURE,
+    "critic.enable": True,
+    "critic.cliprange_value": CLIPRANGE_VALUE,
+}
+
+
 @functools.lru_cache(maxsize=None)
 def base_cfg(model_dir: str):
     """The validated config every worker here starts from (load_config costs ~0.15 s a call, which
     was a third of this file's time); each test then sets its own actor/critic fields on a copy."""
-    return to_dataclass(load_config(None, tiny_overrides(model_dir, **{
-        "actor.entropy_coeff": ENTROPY_COEFF,
-        "actor.use_kl_loss": True,
-        "actor.kl_loss_coef": KL_COEF,
-        "actor.clip_ratio_low": CLIP_LOW,
-        "actor.clip_ratio_high": CLIP_HIGH,
-        "actor.clip_ratio_c": CLIP_C,
-        "rollout.temperature": TEMPERATURE,
-        "critic.enable": True,
-        "critic.cliprange_value": CLIPRANGE_VALUE,
-    })))
+    return to_dataclass(load_config(None, tiny_overrides(model_dir, **BASE_OVERRIDES)))
 
 
-def actor_worker(model_dir: str, **actor_fields) -> ActorWorker:
+def actor_worker(model_dir: str, cfg=None, **actor_fields) -> ActorWorker:
     """A rank-0 actor in this process, its model in float64. actor_fields: ActorConfig fields
     (policy_loss, loss_agg_mode, kl_loss_type), values from rlflow's registries."""
-    cfg = base_cfg(model_dir)
+    cfg = cfg or base_cfg(model_dir)
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, **actor_fields))
     worker = ActorWorker(cfg, 0, 1)
     worker.init_model(model_dir, 2)
@@ -233,18 +238,25 @@ def actor_batch(reference_lm):
     with torch.no_grad():
         log_prob, _ = reference_log_probs_and_entropy(reference_lm, micro)
 
-    # advantages of both signs, never near 0 (the sign picks geo_mean's / dual clip's branch)
+    # advantages of both signs, never near 0 (the sign picks the dual clip's branch; a row's mean
+    # advantage picks geo_mean's, checked below)
     advantages = torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 1.2
     advantages = torch.where(advantages.abs() < 0.2, advantages.sign() * 0.2 + advantages, advantages)
     # the log-ratio log_prob - old_log_prob, token by token
     log_ratio = torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 0.6
-    # row 0 hits every region of dual-clip PPO and of geo_mean's log-space clip:
-    #   A < 0 beyond the dual-clip bound (ratio > c), A < 0 below 1 - low, A > 0 above 1 + high, inside
+    # row 0 hits every region of dual-clip PPO:
+    #   A < 0 beyond the dual-clip bound (ratio > c), A < 0 below 1 - low, A > 0 above 1 + high, inside;
+    # its mean advantage is < 0, so it also hits geo_mean's lower log-space clip (-0.5)
     log_ratio[0, :6] = torch.tensor([1.4, -0.5, 0.6, 0.05, -0.05, 2.0], dtype=F64)
     advantages[0, :6] = torch.tensor([-1.1, -0.7, 0.9, 1.3, -0.4, -2.0], dtype=F64)
+    # row 3 (two tokens): mean advantage > 0, so both log-ratios are above geo_mean's upper clip,
+    # the second although its own advantage is < 0 (the row's sign decides)
+    log_ratio[3, :2] = torch.tensor([0.7, 0.5], dtype=F64)
+    advantages[3, :2] = torch.tensor([0.8, -0.5], dtype=F64)
     # row 1 (one token): a sequence ratio below 1 - low with A < 0 (GSPO's lower clip)
     log_ratio[1, 0], advantages[1, 0] = -0.4, -0.8
-    kinks = (math.log(1 - CLIP_LOW), math.log(1 + CLIP_HIGH), math.log(CLIP_C), -CLIP_LOW, CLIP_HIGH)
+    kinks = (math.log(1 - CLIP_LOW), math.log(1 + CLIP_HIGH), math.log(CLIP_C),
+             -GEO_CLIP[0], GEO_CLIP[1], -GEO_OWN_CLIP[0], GEO_OWN_CLIP[1])
     log_ratio = away_from(log_ratio, kinks)
     old_log_probs = (log_prob - log_ratio).float()
 
@@ -274,6 +286,8 @@ def actor_batch(reference_lm):
     assert min_distance(seq_log_ratio, torch.ones_like(seq_log_ratio), kinks[:2]) > KINK_MARGIN / 2, \
         "a sequence log-ratio sits on a GSPO clip bound"
     assert (seq_log_ratio < 10).all()  # GSPO's clamp of the sequence log-ratio at 10 never acts
+    seq_advantage = (micro["advantages"].to(F64) * valid).sum(-1) / valid.sum(-1)
+    assert (seq_advantage.abs() > KINK_MARGIN).all(), "a row's mean advantage (geo_mean's sign) is near 0"
     return micro
 
 
@@ -304,7 +318,7 @@ def local_mean(x, mask) -> float:
     return float(x[valid].to(F64).sum() / valid.sum())
 
 
-def policy_per_token(name, log_prob, old_log_prob, advantages, mask):
+def policy_per_token(name, log_prob, old_log_prob, advantages, mask, geo_clip=GEO_CLIP):
     """(per-token loss carrying the gradient, {statistic: per-token 0/1 or value}) of each loss."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -337,17 +351,21 @@ def policy_per_token(name, log_prob, old_log_prob, advantages, mask):
     elif name == "reinforce":
         loss = -advantages * ratio
     elif name == "geo_mean":
-        # pessimistic log-space clip per token, then -mean(A) * exp(mean clipped log-ratio) per row
-        clipped_log_ratio = torch.where(
-            pos, torch.clamp(log_ratio, max=CLIP_HIGH), torch.where(neg, torch.clamp(log_ratio, min=-CLIP_LOW), zero)
-        )
+        # A_i = the row's mean advantage; a log-space clip pessimistic for A_i's sign on every token
+        # of the row, then -A_i * exp(mean clipped log-ratio)
+        low, high = geo_clip
         n = valid.sum(-1)
-        seq_log_ratio = torch.where(valid, clipped_log_ratio, zero).sum(-1) / n
         seq_advantage = torch.where(valid, advantages, zero).sum(-1) / n
+        row_pos = (seq_advantage > 0).unsqueeze(-1).expand_as(log_prob)
+        row_neg = (seq_advantage < 0).unsqueeze(-1).expand_as(log_prob)
+        clipped_log_ratio = torch.where(
+            row_pos, torch.clamp(log_ratio, max=high), torch.where(row_neg, torch.clamp(log_ratio, min=-low), zero)
+        )
+        seq_log_ratio = torch.where(valid, clipped_log_ratio, zero).sum(-1) / n
         seq_loss = -seq_advantage * torch.exp(seq_log_ratio)
         loss = seq_loss.unsqueeze(-1).expand_as(log_prob)
         lr = log_ratio.detach()
-        stats["pg_clipfrac"] = ((pos & (lr > CLIP_HIGH)) | (neg & (lr < -CLIP_LOW))).to(F64)
+        stats["pg_clipfrac"] = ((row_pos & (lr > high)) | (row_neg & (lr < -low))).to(F64)
     else:
         raise AssertionError(f"policy loss {name!r} has no independent formula in this test: add one")
     return loss, stats
@@ -368,7 +386,8 @@ def kl_per_token(kl_type, log_prob, ref_log_prob):
     raise AssertionError(f"KL type {kl_type!r} has no independent formula in this test: add one")
 
 
-def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0, own_token_count=False):
+def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0, own_token_count=False,
+                   geo_clip=GEO_CLIP):
     """(loss, gradients by parameter name, metric values) from the float64 reference model."""
     model.zero_grad(set_to_none=True)
     mask = micro["response_mask"]
@@ -380,7 +399,7 @@ def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0,
     def agg(x):
         return aggregate(x, mask, mode, meta, own_token_count=own_token_count)
 
-    pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask)
+    pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask, geo_clip)
     pg_loss = agg(pg_tokens)
     entropy_loss = agg(entropy)
     kl_loss = agg(kl_per_token(kl_type, log_prob, ref))
@@ -409,7 +428,7 @@ LOSS_METRICS = {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/
 def run_worker(worker, micro, meta: BatchMeta):
     worker.model.zero_grad(set_to_none=True)
     num_tokens = int(micro["response_mask"].sum())
-    loss, metrics = worker.micro_loss(micro, meta.loss_kwargs(), num_tokens)
+    loss, metrics = worker.micro_loss(micro, meta)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in worker.model.named_parameters()}
     return float(loss.detach()), grads, metrics, num_tokens
@@ -462,6 +481,26 @@ def test_actor_composed_loss_matches_independent_float64(tiny_model_dir, referen
         if name in ("gspo", "geo_mean"):
             assert expected[2]["actor/pg_clipfrac"] > 0
         compare(run_worker(worker, actor_batch, meta), expected)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_policy_loss_options_from_the_config_reach_the_worker(tiny_model_dir, reference_lm, actor_batch, mode):
+    """geo_mean with its own clip range, set as actor.policy_loss_options through load_config,
+    is the loss the worker computes; the default range would not match on this batch."""
+    cfg = to_dataclass(load_config(None, tiny_overrides(tiny_model_dir, **{
+        **BASE_OVERRIDES,
+        "actor.policy_loss": "geo_mean",
+        "actor.loss_agg_mode": mode,
+        "actor.policy_loss_options.clip_ratio_low": GEO_OWN_CLIP[0],
+        "actor.policy_loss_options.clip_ratio_high": GEO_OWN_CLIP[1],
+    })))
+    worker = actor_worker(tiny_model_dir, cfg)
+    meta = meta_for(actor_batch, 2)
+    kl_type = cfg.actor.kl_loss_type
+    out = run_worker(worker, actor_batch, meta)
+    compare(out, expected_actor(reference_lm, actor_batch, "geo_mean", mode, kl_type, meta, geo_clip=GEO_OWN_CLIP))
+    with pytest.raises(AssertionError):
+        compare(out, expected_actor(reference_lm, actor_batch, "geo_mean", mode, kl_type, meta, geo_clip=GEO_CLIP))
 
 
 @pytest.mark.parametrize("kl_type", KL_PENALTY_MODES)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import ChainMap
+
 import torch
 from tensordict import TensorDict
 
-from rlflow.algos import agg_loss, compute_entropy_loss, get_policy_loss_fn, kl_penalty, masked_mean
-from rlflow.metrics import Metric, loss_metric, token_mean_metric
-from rlflow.protocol import plan_micro_batches
+from rlflow.algos import actor_loss_terms, compose_loss, masked_mean_metric
+from rlflow.metrics import Metric
+from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers.base import WorkerBase
 from workers.forward import response_log_probs
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
@@ -55,7 +57,7 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         self.model = self.wrap_for_training(model, actor.strategy)
         self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
-        self.policy_loss_fn = get_policy_loss_fn(actor.policy_loss)
+        self.loss_terms = actor_loss_terms(actor)
         return sum(p.numel() for p in model.parameters())
 
     def compute_log_prob(self, td: TensorDict) -> TensorDict:
@@ -68,38 +70,15 @@ class ActorWorker(LogProbMixin, TrainableWorker):
                              "only a single on-policy mini-batch may omit them")
         return super().update(shards)
 
-    def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
-        actor = self.cfg.actor
-        has_meta = "batch_num_tokens" in loss_kwargs
-        mask = micro["response_mask"]
-        use_entropy = actor.entropy_coeff != 0
+    def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
         log_prob, entropy = response_log_probs(self.model, micro, self.cfg.rollout.temperature, with_entropy=True)
-        # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
-        old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro.keys() else log_prob.detach()
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self.policy_loss_fn(
-            old_log_prob, log_prob, micro["advantages"], mask, actor.loss_agg_mode,
-            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c, **loss_kwargs,
-        )
-        dp = loss_kwargs["dp_size"]
-        loss = pg_loss
-        metrics = {
-            "actor/pg_loss": loss_metric(pg_loss.item(), dp, has_meta),
-            "actor/pg_clipfrac": token_mean_metric(pg_clipfrac.item(), num_tokens),
-            "actor/ppo_kl": token_mean_metric(ppo_kl.item(), num_tokens),
-            "actor/pg_clipfrac_lower": token_mean_metric(pg_clipfrac_lower.item(), num_tokens),
-            # per-token entropy, an exact token mean whatever the split
-            "actor/entropy": token_mean_metric(masked_mean(entropy.detach(), mask).item(), num_tokens),
-        }
-        if use_entropy:
-            entropy_loss = compute_entropy_loss(entropy, mask, actor.loss_agg_mode, **loss_kwargs)
-            loss = loss - actor.entropy_coeff * entropy_loss
-            metrics["actor/entropy_loss"] = loss_metric(entropy_loss.item(), dp, has_meta)
-        if actor.use_kl_loss:
-            kl = kl_penalty(log_prob, micro["ref_log_prob"], actor.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, actor.loss_agg_mode, **loss_kwargs)
-            loss = loss + actor.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = loss_metric(kl_loss.item(), dp, has_meta)
+        forward = {"log_probs": log_prob, "entropy": entropy}
+        if "old_log_probs" not in micro.keys():
+            # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
+            forward["old_log_probs"] = log_prob.detach()
+        loss, metrics = compose_loss(self.loss_terms, ChainMap(forward, micro), meta, prefix="actor/")
+        # per-token entropy, reported whether or not it is in the loss; an exact token mean whatever the split
+        metrics["actor/entropy"] = masked_mean_metric(entropy, micro["response_mask"])
         return loss, metrics
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import ChainMap
+
 import torch
 from tensordict import TensorDict
 
-from rlflow.algos import compute_value_loss, masked_mean
-from rlflow.metrics import Metric, loss_metric, token_mean_metric
-from rlflow.protocol import plan_micro_batches
+from rlflow.algos import compose_loss, critic_loss_terms, masked_mean_metric
+from rlflow.metrics import Metric
+from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers.actor import _DTYPES
 from workers.forward import response_values
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
@@ -35,6 +37,7 @@ class CriticWorker(TrainableWorker):
         self.model = self.wrap_for_training(model, critic.strategy)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
+        self.loss_terms = critic_loss_terms(critic)
         return sum(p.numel() for p in model.parameters())
 
     def compute_values(self, td: TensorDict) -> TensorDict:
@@ -46,17 +49,8 @@ class CriticWorker(TrainableWorker):
                 outputs.append(response_values(self.model, td[idx]) * td[idx]["response_mask"])
         return TensorDict({"values": torch.cat(outputs).cpu()}, batch_size=td.batch_size)
 
-    def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
-        critic = self.cfg.critic
-        has_meta = "batch_num_tokens" in loss_kwargs
-        mask = micro["response_mask"]
+    def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
         vpreds = response_values(self.model, micro)
-        vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, micro["returns"], micro["values"], mask, critic.cliprange_value, critic.loss_agg_mode, **loss_kwargs
-        )
-        metrics = {
-            "critic/vf_loss": loss_metric(vf_loss.item(), loss_kwargs["dp_size"], has_meta),
-            "critic/vf_clipfrac": token_mean_metric(float(vf_clipfrac), num_tokens),
-            "critic/vpred_mean": token_mean_metric(masked_mean(vpreds.detach(), mask).item(), num_tokens),
-        }
-        return vf_loss, metrics
+        loss, metrics = compose_loss(self.loss_terms, ChainMap({"vpreds": vpreds}, micro), meta, prefix="critic/")
+        metrics["critic/vpred_mean"] = masked_mean_metric(vpreds, micro["response_mask"])
+        return loss, metrics

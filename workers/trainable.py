@@ -67,15 +67,16 @@ class TrainableWorker(WorkerBase):
     def section_cfg(self):
         return getattr(self.cfg, self.section)
 
-    def micro_loss(self, micro: TensorDict, loss_kwargs: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, Metric]]:
+    def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """The sum of the role's loss terms (rlflow.algos.compose_loss) on one micro-batch, each
+        normalised by `meta`, the whole mini-batch's counts (None: the micro-batch's own)."""
         raise NotImplementedError
 
-    def _loss_kwargs(self, meta: BatchMeta | None) -> dict:
-        if meta is None:
-            return {"dp_size": 1, "loss_scale_factor": self.section_cfg().loss_scale_factor}
-        if meta.dp_size != self.world_size:
+    def _loss_meta(self, meta: BatchMeta | None) -> BatchMeta | None:
+        """The BatchMeta the loss terms divide by: the driver's, for this group's size."""
+        if meta is not None and meta.dp_size != self.world_size:
             raise ValueError(f"{self.role} rank {self.rank}: BatchMeta.dp_size={meta.dp_size} but this group has {self.world_size} ranks")
-        return meta.loss_kwargs()
+        return meta
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
@@ -85,14 +86,13 @@ class TrainableWorker(WorkerBase):
         per_minibatch = []
         for minibatch_index, shard in enumerate(shards):
             shard = shard.to(self.device)
-            loss_kwargs = self._loss_kwargs(get_meta(shard))
+            meta = self._loss_meta(get_meta(shard))
             micros, _ = split_micro_batches(shard, **micro_batch_plan(section, shard))
             records: list[dict[str, Metric]] = []
             self.optimizer.zero_grad(set_to_none=True)
             for index, micro in enumerate(micros):
-                num_tokens = int(micro["response_mask"].sum().item())
                 with self._gradient_sync(last=index == len(micros) - 1):
-                    loss, metrics = self.micro_loss(micro, loss_kwargs, num_tokens)
+                    loss, metrics = self.micro_loss(micro, meta)
                     loss.backward()
                 records.append(metrics)
             if probes.enable:  # the reduced gradient, before clipping changes it

@@ -1,18 +1,34 @@
-"""Loss aggregation, policy losses, value loss and entropy loss.
+"""Loss aggregation and the loss terms: policy losses, value loss, entropy bonus, KL in the loss.
 
 The normalisation contract (docs: DESIGN.md): every micro-batch loss is normalised by counts of the
 WHOLE mini-batch (``batch_num_tokens``, ``global_batch_size``) and multiplied by ``dp_size``, so
 that summing micro-batch gradients on a rank and then averaging over ranks (what DDP/FSDP do) gives
-exactly the gradient of the whole mini-batch computed in one piece. Per-token statistics returned
-next to a loss are LOCAL masked means; the caller weights them by the local valid-token count.
+exactly the gradient of the whole mini-batch computed in one piece.
+
+The term contract: a loss term is ``fn(batch, meta, options) -> (loss, metrics)``.
+- ``batch``: a mapping of the micro-batch's tensors (a TensorDict works): the keys of
+  docs/CONVENTIONS.md plus the worker's forward outputs (``log_probs``, ``entropy``, ``vpreds``);
+  a term declares the keys it reads when it is registered.
+- ``meta``: the BatchMeta of the whole mini-batch (anything with ``dp_size`` and ``loss_kwargs()``),
+  or None for a local call: the micro-batch's own counts and dp_size 1.
+- ``options``: the term's own frozen dataclass, a LossOptions subclass.
+- ``loss``: the term's contribution to the micro-batch loss, aggregated through agg_loss with
+  meta's counts; ``metrics``: {name: rlflow.metrics.Metric}, each declaring its aggregation
+  (a per-token statistic is weighted by the micro-batch's own valid-token count).
+A new input is a new batch key and a new setting a new options field: no signature changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
 
+from rlflow.metrics import Metric, loss_metric, token_mean_metric
+
+from .kl import KL_PENALTY_MODES, kl_penalty
 from .masked import masked_count, masked_mean, masked_sum
 
 LOSS_AGG_MODES = (
@@ -125,6 +141,89 @@ def agg_loss(
     return loss * dp_size
 
 
+
+# ------------------------------------------------------------------------------ the term contract
+
+Batch = Mapping[str, torch.Tensor]
+TermFn = Callable[..., "tuple[torch.Tensor, dict[str, Metric]]"]
+
+
+class LossOptionError(ValueError):
+    """A bad value of one option of a loss term: ``option`` (the field) ``problem`` (the rest)."""
+
+    def __init__(self, option: str, problem: str):
+        super().__init__(f"{option} {problem}")
+        self.option = option
+        self.problem = problem
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_option(option: str, value, condition: Callable[[float], bool] = lambda v: True, requirement: str = "") -> None:
+    if not _is_number(value):
+        raise LossOptionError(option, f"must be a number, got {value!r}")
+    if not condition(value):
+        raise LossOptionError(option, f"must be {requirement}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossOptions:
+    """What every term is configured with: how its per-token loss becomes a scalar.
+
+    Subclasses add the term's own settings. ``section_defaults`` (a class attribute, not a field)
+    names the fields whose default is the config section's key of the same name.
+    """
+
+    loss_agg_mode: str = "token-mean"
+    # divisor of seq-mean-token-sum-norm in a local call (meta None); a BatchMeta carries its own
+    loss_scale_factor: float | None = None
+
+    section_defaults = ()
+
+    def __post_init__(self):
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise LossOptionError("loss_agg_mode", f"must be one of {', '.join(LOSS_AGG_MODES)}, got {self.loss_agg_mode!r}")
+
+
+def option_names(options_cls: type) -> tuple[str, ...]:
+    """A term's own settings: the fields of its options dataclass beyond LossOptions'."""
+    shared = {f.name for f in dataclasses.fields(LossOptions)}
+    return tuple(f.name for f in dataclasses.fields(options_cls) if f.name not in shared)
+
+
+@dataclasses.dataclass(frozen=True)
+class TermSpec:
+    """A registered loss term: its function, its options dataclass, the batch keys it reads."""
+
+    fn: TermFn
+    options: type
+    inputs: tuple[str, ...]
+
+
+def normalisation(meta, options: LossOptions) -> dict:
+    """agg_loss's keyword arguments: the whole mini-batch's counts, or the micro-batch's own."""
+    if meta is None:
+        return {"dp_size": 1, "loss_scale_factor": options.loss_scale_factor}
+    return meta.loss_kwargs()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, meta, options: LossOptions) -> torch.Tensor:
+    return agg_loss(per_token, mask, options.loss_agg_mode, **normalisation(meta, options))
+
+
+def aggregated_loss_metric(loss: torch.Tensor, meta) -> Metric:
+    """A loss value under the #6957 rule (rlflow.metrics.loss_metric)."""
+    dp_size = 1 if meta is None else meta.dp_size
+    return loss_metric(loss.item(), dp_size, has_global_meta=meta is not None)
+
+
+def masked_mean_metric(values: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """A per-token statistic: this micro-batch's masked mean, weighted by its valid-token count."""
+    return token_mean_metric(masked_mean(values.detach(), mask).item(), masked_count(mask).item())
+
+
 # ----------------------------------------------------------------------------------- value loss
 
 
@@ -143,7 +242,7 @@ def compute_value_loss(
     """Clipped value loss: 0.5 * agg_loss(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
 
     Returns (vf_loss, vf_clipfrac); vf_clipfrac is the local masked mean of where the clipped
-    branch is the larger one (detached).
+    branch is the larger one (detached). The value-loss term below wraps it.
     """
     vpreds_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
     unclipped_sq_err = (vpreds - returns) ** 2
@@ -195,29 +294,110 @@ def compute_entropy_loss(
     )
 
 
-# ----------------------------------------------------------------------------- policy losses
+# -------------------------------------------------------------- the terms besides the policy loss
 
-POLICY_LOSSES: dict[str, Callable] = {}
+LOSS_TERMS: dict[str, TermSpec] = {}
 
 
-def register_policy_loss(name: str):
-    """Decorator: register a policy loss under ``name``.
+def register_loss_term(name: str, options: type, inputs: tuple[str, ...]):
+    """Decorator: register a term a role's loss can hold (terms.py composes them)."""
 
-    A registered loss must have the signature of compute_policy_loss_vanilla, return
-    (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), and aggregate through agg_loss; the
-    invariance test iterates this registry.
-    """
-
-    def decorator(fn: Callable) -> Callable:
-        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
+    def decorator(fn: TermFn) -> TermFn:
+        if name in LOSS_TERMS and LOSS_TERMS[name].fn is not fn:
+            raise ValueError(f"loss term {name!r} is already registered")
+        LOSS_TERMS[name] = TermSpec(fn, options, tuple(inputs))
         return fn
 
     return decorator
 
 
-def get_policy_loss_fn(name: str) -> Callable:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ValueLossOptions(LossOptions):
+    cliprange_value: float = 0.5
+    section_defaults = ("cliprange_value",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("cliprange_value", self.cliprange_value, lambda v: v >= 0, ">= 0")
+
+
+@register_loss_term("value_loss", ValueLossOptions, ("vpreds", "values", "returns", "response_mask"))
+def value_loss_term(batch: Batch, meta, options: ValueLossOptions):
+    """The critic's clipped value loss (compute_value_loss) with its clip fraction."""
+    mask = batch["response_mask"]
+    vf_loss, vf_clipfrac = compute_value_loss(
+        batch["vpreds"], batch["returns"], batch["values"], mask, options.cliprange_value,
+        options.loss_agg_mode, **normalisation(meta, options),
+    )
+    metrics = {
+        "vf_loss": aggregated_loss_metric(vf_loss, meta),
+        "vf_clipfrac": token_mean_metric(vf_clipfrac.item(), masked_count(mask).item()),
+    }
+    return vf_loss, metrics
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EntropyBonusOptions(LossOptions):
+    entropy_coeff: float = 0.0
+    section_defaults = ("entropy_coeff",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("entropy_coeff", self.entropy_coeff)
+
+
+@register_loss_term("entropy_bonus", EntropyBonusOptions, ("entropy", "response_mask"))
+def entropy_bonus_term(batch: Batch, meta, options: EntropyBonusOptions):
+    """-entropy_coeff * the aggregated entropy; the metric is the aggregated entropy itself."""
+    entropy_loss = aggregate(batch["entropy"], batch["response_mask"], meta, options)
+    return -options.entropy_coeff * entropy_loss, {"entropy_loss": aggregated_loss_metric(entropy_loss, meta)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KLLossOptions(LossOptions):
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    section_defaults = ("kl_loss_coef", "kl_loss_type")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("kl_loss_coef", self.kl_loss_coef)
+        if self.kl_loss_type not in KL_PENALTY_MODES:
+            raise LossOptionError("kl_loss_type", f"must be one of {', '.join(KL_PENALTY_MODES)}, got {self.kl_loss_type!r}")
+
+
+@register_loss_term("kl_loss", KLLossOptions, ("log_probs", "ref_log_prob", "response_mask"))
+def kl_loss_term(batch: Batch, meta, options: KLLossOptions):
+    """kl_loss_coef * the aggregated per-token KL(policy || reference) estimate."""
+    kl = kl_penalty(batch["log_probs"], batch["ref_log_prob"], options.kl_loss_type)
+    kl_loss = aggregate(kl, batch["response_mask"], meta, options)
+    return options.kl_loss_coef * kl_loss, {"kl_loss": aggregated_loss_metric(kl_loss, meta)}
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+POLICY_LOSSES: dict[str, TermSpec] = {}
+POLICY_LOSS_INPUTS = ("log_probs", "old_log_probs", "advantages", "response_mask")
+
+
+def register_policy_loss(name: str, options: type = LossOptions, inputs: tuple[str, ...] = POLICY_LOSS_INPUTS):
+    """Decorator: register a policy loss under ``name`` with its options dataclass.
+
+    A policy loss is a term (the contract at the top of this module) that reports pg_loss,
+    pg_clipfrac, ppo_kl and pg_clipfrac_lower (policy_metrics); `inputs` are the batch keys it
+    reads. The invariance test iterates this registry.
+    """
+
+    def decorator(fn: TermFn) -> TermFn:
+        if name in POLICY_LOSSES and POLICY_LOSSES[name].fn is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = TermSpec(fn, options, tuple(inputs))
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> TermSpec:
     if name not in POLICY_LOSSES:
         raise ValueError(
             f"Unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}"
@@ -225,200 +405,166 @@ def get_policy_loss_fn(name: str) -> Callable:
     return POLICY_LOSSES[name]
 
 
+def get_policy_loss_fn(name: str) -> TermFn:
+    return get_policy_loss(name).fn
+
+
 def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
 
-@register_policy_loss("vanilla")
-def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-):
+def policy_metrics(pg_loss, meta, mask, *, ppo_kl, pg_clipfrac=None, pg_clipfrac_lower=None) -> dict[str, Metric]:
+    """What every policy loss reports; a clip fraction of a clip the loss does not have is 0."""
+    num_tokens = masked_count(mask).item()
+
+    def fraction(per_token):
+        return token_mean_metric(0.0, num_tokens) if per_token is None else masked_mean_metric(per_token, mask)
+
+    return {
+        "pg_loss": aggregated_loss_metric(pg_loss, meta),
+        "pg_clipfrac": fraction(pg_clipfrac),
+        "ppo_kl": masked_mean_metric(ppo_kl, mask),
+        "pg_clipfrac_lower": fraction(pg_clipfrac_lower),
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOClipOptions(LossOptions):
+    """PPO's clip of the probability ratio to [1 - clip_ratio_low, 1 + clip_ratio_high]; the
+    defaults are the actor section's clip_ratio_low / clip_ratio_high."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    section_defaults = ("clip_ratio_low", "clip_ratio_high")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("clip_ratio_low", self.clip_ratio_low, lambda v: 0 <= v < 1, "in [0, 1)")
+        _check_option("clip_ratio_high", self.clip_ratio_high, lambda v: v >= 0, ">= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DualClipOptions(PPOClipOptions):
+    clip_ratio_c: float = 3.0
+    section_defaults = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("clip_ratio_c", self.clip_ratio_c, lambda v: v > 1.0, "> 1.0 for dual-clip PPO")
+
+
+@register_policy_loss("vanilla", options=DualClipOptions)
+def compute_policy_loss_vanilla(batch: Batch, meta, options: DualClipOptions):
     """PPO clipped surrogate with asymmetric clip range and dual clip (Ye et al. 2020).
 
     For negative advantages the loss -A * ratio is additionally capped at -A * clip_ratio_c, so a
     huge ratio on a bad action cannot produce an unbounded update.
-    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), the last three local masked means.
     """
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    log_ratio = _log_ratio(old_log_prob, log_prob)
+    log_prob, advantages, mask = batch["log_probs"], batch["advantages"], batch["response_mask"]
+    log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
     ratio = torch.exp(log_ratio)
 
     unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - options.clip_ratio_low, 1.0 + options.clip_ratio_high)
     ppo_clip_loss = torch.maximum(unclipped_loss, clipped_loss)
 
-    dual_clip_bound = -advantages * clip_ratio_c
+    dual_clip_bound = -advantages * options.clip_ratio_c
     dual_clipped_loss = torch.minimum(ppo_clip_loss, dual_clip_bound)
     negative_adv = advantages < 0
     per_token_loss = torch.where(negative_adv, dual_clipped_loss, ppo_clip_loss)
 
-    pg_loss = agg_loss(
-        per_token_loss,
-        response_mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
+    pg_loss = aggregate(per_token_loss, mask, meta, options)
     dtype = log_prob.dtype
-    pg_clipfrac = masked_mean((clipped_loss > unclipped_loss).to(dtype), response_mask)
-    pg_clipfrac_lower = masked_mean(
-        ((ppo_clip_loss > dual_clip_bound) & negative_adv).to(dtype), response_mask
+    return pg_loss, policy_metrics(
+        pg_loss, meta, mask,
+        ppo_kl=-log_ratio,
+        pg_clipfrac=(clipped_loss > unclipped_loss).to(dtype),
+        pg_clipfrac_lower=((ppo_clip_loss > dual_clip_bound) & negative_adv).to(dtype),
     )
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
 
 
-@register_policy_loss("gspo")
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GSPOOptions(PPOClipOptions):
+    pass
+
+
+@register_policy_loss("gspo", options=GSPOOptions)
+def compute_policy_loss_gspo(batch: Batch, meta, options: GSPOOptions):
     """GSPO (Zheng et al. 2025): clip a sequence-level ratio exp(mean_t log-ratio).
 
     Token-level form: log s_it = sg[log s_i] + log_prob_t - sg[log_prob_t]; its value is the
     sequence ratio, its gradient flows through each token's own log-prob. With seq-mean-token-mean
-    (GSPO's setting; pass it explicitly, the default is the uniform token-mean) this is exactly the
-    sequence-level objective. The sequence log-ratio is
-    computed within each row, so it does not depend on how rows are split. clip_ratio_c is unused.
-    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower=0).
+    (GSPO's setting; set it explicitly, the default is the uniform token-mean) this is exactly the
+    sequence-level objective. The sequence log-ratio is computed within each row, so it does not
+    depend on how rows are split.
     """
-    token_log_ratio = log_prob - old_log_prob
-    seq_log_ratio = masked_mean(token_log_ratio, response_mask, axis=-1)  # [B]
+    log_prob, advantages, mask = batch["log_probs"], batch["advantages"], batch["response_mask"]
+    # clamped per token like every loss's ratio, so the sequence mean is bounded too
+    log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
+    seq_log_ratio = masked_mean(log_ratio, mask, axis=-1)  # [B]
     straight_through_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
     ratio = torch.exp(torch.clamp(straight_through_log_ratio, max=10.0))
 
     unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - options.clip_ratio_low, 1.0 + options.clip_ratio_high)
     per_token_loss = torch.maximum(unclipped_loss, clipped_loss)
 
-    pg_loss = agg_loss(
-        per_token_loss,
-        response_mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
-    dtype = log_prob.dtype
-    pg_clipfrac = masked_mean((clipped_loss > unclipped_loss).to(dtype), response_mask)
-    ppo_kl = masked_mean(-_log_ratio(old_log_prob, log_prob), response_mask)
-    pg_clipfrac_lower = torch.zeros((), dtype=dtype, device=log_prob.device)
-    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower
+    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    clipped = (clipped_loss > unclipped_loss).to(log_prob.dtype)
+    return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=clipped)
 
 
 @register_policy_loss("reinforce")
-def compute_policy_loss_reinforce(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-):
+def compute_policy_loss_reinforce(batch: Batch, meta, options: LossOptions):
     """Importance-weighted policy gradient without clipping: loss = -A * exp(lp - old_lp).
 
-    On-policy (old == current) its gradient is REINFORCE's -A * grad log pi. The clip arguments
-    are accepted for a uniform signature and ignored; both clip fractions are 0.
+    On-policy (old == current) its gradient is REINFORCE's -A * grad log pi. No options of its own.
     """
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    per_token_loss = -advantages * torch.exp(log_ratio)
-    pg_loss = agg_loss(
-        per_token_loss,
-        response_mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    return pg_loss, zero, ppo_kl.detach(), zero.clone()
+    log_prob, mask = batch["log_probs"], batch["response_mask"]
+    log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
+    per_token_loss = -batch["advantages"] * torch.exp(log_ratio)
+    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio)
 
 
-@register_policy_loss("geo_mean")
-def compute_policy_loss_geo_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GeoMeanOptions(LossOptions):
+    """GMPO clips LOG-ratios to [-clip_ratio_low, clip_ratio_high]: a different unit from PPO's
+    ratio clip, so the actor section's clip_ratio_* do not apply; 0.4 is the GMPO paper's value."""
+
+    clip_ratio_low: float = 0.4
+    clip_ratio_high: float = 0.4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("clip_ratio_low", self.clip_ratio_low, lambda v: v >= 0, ">= 0")
+        _check_option("clip_ratio_high", self.clip_ratio_high, lambda v: v >= 0, ">= 0")
+
+
+@register_policy_loss("geo_mean", options=GeoMeanOptions)
+def compute_policy_loss_geo_mean(batch: Batch, meta, options: GeoMeanOptions):
     """GMPO (geometric-mean policy optimisation): -A * geometric mean of clipped token ratios.
 
-    Token log-ratios are clipped in LOG space to [-clip_ratio_low, clip_ratio_high] (GMPO's paper
-    uses 0.4; the defaults are the uniform 0.2 of the registry signature), pessimistically
-    for the sign of the advantage (like PPO's min). The sequence loss -A_i * exp(mean_t clipped
-    log-ratio) is broadcast onto the row's valid tokens and aggregated by agg_loss, so it obeys the
-    normalisation contract (seq-mean-token-mean averages the sequence losses over sequences).
-    clip_ratio_c is unused. Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower=0).
+    A row's advantage A_i is the mean of its tokens' (the outcome advantage). Its token log-ratios
+    are clipped in LOG space to [-clip_ratio_low, clip_ratio_high], pessimistically for the sign of
+    A_i (like PPO's min). The sequence loss -A_i * exp(mean_t clipped log-ratio) is broadcast onto
+    the row's valid tokens and aggregated by agg_loss, so it obeys the normalisation contract
+    (seq-mean-token-mean averages the sequence losses over sequences).
     """
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    sign = torch.sign(advantages)
+    log_prob, mask = batch["log_probs"], batch["response_mask"]
+    log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
+    seq_advantage = masked_mean(batch["advantages"], mask, axis=-1)  # [B]
+    # the sign of the advantage that weights the row, so the clip is pessimistic for that weight
+    sign = torch.sign(seq_advantage).unsqueeze(-1)
     signed_log_ratio = sign * log_ratio
-    signed_clipped = sign * torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    signed_clipped = sign * torch.clamp(log_ratio, -options.clip_ratio_low, options.clip_ratio_high)
     # min over the signed pair = the pessimistic choice; multiply the sign back.
     pessimistic_log_ratio = sign * torch.minimum(signed_log_ratio, signed_clipped)
 
-    seq_log_ratio = masked_mean(pessimistic_log_ratio, response_mask, axis=-1)  # [B]
-    seq_advantage = masked_mean(advantages, response_mask, axis=-1)  # outcome advantage per row
+    seq_log_ratio = masked_mean(pessimistic_log_ratio, mask, axis=-1)  # [B]
     seq_loss = -seq_advantage * torch.exp(seq_log_ratio)  # [B]
     per_token_loss = seq_loss.unsqueeze(-1).expand_as(log_prob)
 
-    pg_loss = agg_loss(
-        per_token_loss,
-        response_mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
-    dtype = log_prob.dtype
-    clipped = (signed_clipped < signed_log_ratio) & (sign != 0)
-    pg_clipfrac = masked_mean(clipped.to(dtype), response_mask)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    pg_clipfrac_lower = torch.zeros((), dtype=dtype, device=log_prob.device)
-    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower
+    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    clipped = ((signed_clipped < signed_log_ratio) & (sign != 0)).to(log_prob.dtype)
+    return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=clipped)
