@@ -271,7 +271,10 @@ class PPOTrainer:
                 self.tracker.log(metrics, step=step + 1)
                 # after the history has this step: a checkpoint holds the history up to its step
                 if cfg.trainer.save_freq > 0 and ((step + 1) % cfg.trainer.save_freq == 0 or is_last):
-                    self.save_checkpoint(step + 1)
+                    try:
+                        self.save_checkpoint(step + 1)
+                    except WorkerError as err:
+                        raise WorkerError(f"step {step + 1} (of {cfg.trainer.total_steps}): saving: {err}") from err
             self.tracker.close()
             return self.history
         finally:
@@ -311,6 +314,17 @@ class PPOTrainer:
         for name, futures in pending.items():
             forward = self.active_roles[name].forward
             batch[forward.produces] = self.groups[name].collect_dp(futures, forward.method)[forward.produces]
+            self._check_finite(batch, name, forward)
+
+    def _check_finite(self, batch: TensorDict, role: str, forward) -> None:
+        """A non-finite forward output stops the run naming its role (nan_policy=abort); under
+        skip, the mini-batches it reaches are skipped by the updates."""
+        mask = batch["response_mask"].bool()
+        bad = int((~torch.isfinite(batch[forward.produces][mask])).sum())
+        if bad and self.cfg.trainer.nan_policy == "abort":
+            raise FloatingPointError(
+                f"{role}: {forward.method} returned non-finite {forward.produces} for {bad} of {int(mask.sum())} "
+                "response tokens; set trainer.nan_policy=skip to skip the mini-batches they reach")
 
     def _apply_kl_and_advantages(self, batch: TensorDict, metrics: dict) -> None:
         cfg, algo = self.cfg, self.cfg.algorithm

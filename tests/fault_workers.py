@@ -3,14 +3,19 @@
     faulty_workers("<role>:<rank>:<method>:<nth>:<action>[,<more>]")
 
 returns {role: subclass of that role's worker} whose <rank> ("*": every rank) does <action> on
-the <nth> call ("*": every call; 1-based, counted per worker process) of <method> (update or
-compute_log_prob):
+the <nth> call ("*": every call; 1-based, counted per worker process) of <method>, any public
+method of the role's worker class (rollout: generate; actor: compute_log_prob, update,
+state_for_checkpoint; critic: compute_values, update, ...; reference: compute_ref_log_prob):
 
     exit        os._exit(17): the process dies at once, as if killed (no exception, no cleanup)
     sleep=S     sleep S seconds, then carry on (a hung worker, for timeout tests)
     raise       raise InjectedFault
     nan         (update) the loss inputs (advantages / returns) of every mini-batch become NaN
     nan=I       ... of mini-batch I only
+    nan_logits  (actor, reference) every forward of the worker's model during that call returns
+                NaN logits: NaN log-probs out of a no-grad forward, NaN losses and gradients in an
+                update (the NaN stays in the autograd graph)
+    nan_values  (critic) the same for the value model: NaN values, NaN value predictions
 
 Nothing of this ships: no config key or environment variable reaches it. The Ray workers cannot
 import tests/, so this module is pickled by value.
@@ -18,7 +23,10 @@ import tests/, so this module is pickled by value.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -28,7 +36,9 @@ import ray.cloudpickle
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ACTIONS = ("exit", "sleep=", "raise", "nan")
+ACTION = re.compile(r"^(exit|raise|nan|nan_logits|nan_values|sleep=\d+(\.\d*)?|nan=\d+)$")
+# the roles whose worker holds the model the action poisons (self.model)
+NAN_OUTPUT_ROLES = {"nan_logits": ("actor", "reference"), "nan_values": ("critic",)}
 
 
 class InjectedFault(RuntimeError):
@@ -50,14 +60,21 @@ def parse(spec: str) -> tuple[Fault, ...]:
         if len(parts) != 5:
             raise ValueError(f"fault {item!r} is not role:rank:method:nth:action")
         fault = Fault(*parts)
-        if not fault.action.startswith(ACTIONS):
+        if not ACTION.match(fault.action):
             raise ValueError(f"fault {item!r}: unknown action {fault.action!r}")
+        if (fault.action == "nan" or fault.action.startswith("nan=")) and fault.method != "update":
+            raise ValueError(f"fault {item!r}: {fault.action} poisons the shards of an update; use it on update")
+        if fault.action in NAN_OUTPUT_ROLES and fault.role not in NAN_OUTPUT_ROLES[fault.action]:
+            raise ValueError(f"fault {item!r}: {fault.action} is for the {' / '.join(NAN_OUTPUT_ROLES[fault.action])} "
+                             "worker's model")
+        if not all(value == "*" or value.isdigit() for value in (fault.rank, fault.nth)):
+            raise ValueError(f"fault {item!r}: rank and nth are numbers or '*'")
         faults.append(fault)
     return tuple(faults)
 
 
 class FaultInjection:
-    """Mixin: counts this process's calls of each method and does the matching faults."""
+    """Mixin: counts this process's calls of each faulted method and does the matching faults."""
 
     FAULTS: tuple[Fault, ...] = ()
 
@@ -76,15 +93,41 @@ class FaultInjection:
                 return None
             if fault.action == "raise":
                 raise InjectedFault(f"injected fault: {self.role} rank {self.rank}, call {calls[method]} of {method}")
-            return fault.action  # nan / nan=I: the caller poisons its input
+            return fault.action  # nan / nan=I / nan_logits / nan_values: the wrapper poisons
         return None
 
-    def update(self, shards):
-        return super().update(poison(shards, self._fault("update")))
 
-    def compute_log_prob(self, td):
-        self._fault("compute_log_prob")
-        return super().compute_log_prob(td)
+def _faulty_method(name: str, base_method):
+    """`base_method` with the faults of `name` done first (the class's FAULTS, this process's count)."""
+
+    @functools.wraps(base_method)
+    def method(self, *args, **kwargs):
+        action = self._fault(name)
+        if action in NAN_OUTPUT_ROLES:
+            with nan_outputs(self.model):
+                return base_method(self, *args, **kwargs)
+        if action:  # nan / nan=I: the first argument is the update's list of shards
+            args = (poison(args[0], action),) + args[1:]
+        return base_method(self, *args, **kwargs)
+
+    return method
+
+
+@contextlib.contextmanager
+def nan_outputs(model):
+    """While open, every forward of `model` returns NaN logits (a causal LM's logits, or a value
+    model's scores). Multiplying keeps the autograd graph: a backward through them gives NaN
+    gradients, as a real overflow would."""
+
+    def hook(module, inputs, output):
+        output.logits = output.logits * float("nan")
+        return output
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def poison(shards: list, action: str | None) -> list:
@@ -104,14 +147,23 @@ def poison(shards: list, action: str | None) -> list:
 
 
 def faulty_workers(spec: str) -> dict[str, type]:
-    """{role: a FaultInjection subclass of the role's worker} for the roles the spec names."""
+    """{role: a FaultInjection subclass of the role's worker} for the roles the spec names; each
+    faulted method is wrapped (the others are the base class's)."""
     from controllers.ppo import default_worker_classes
 
     faults = parse(spec)
     defaults = default_worker_classes()
     classes = {}
     for role in dict.fromkeys(fault.role for fault in faults):
+        if role not in defaults:
+            raise ValueError(f"fault on role {role!r}: the roles are {', '.join(defaults)}")
         base = defaults[role]
-        classes[role] = type(f"Faulty{base.__name__}", (FaultInjection, base),
-                             {"FAULTS": tuple(f for f in faults if f.role == role), "__module__": __name__})
+        mine = tuple(f for f in faults if f.role == role)
+        body = {"FAULTS": mine, "__module__": __name__}
+        for name in dict.fromkeys(f.method for f in mine):
+            base_method = getattr(base, name, None)
+            if name.startswith("_") or not callable(base_method):
+                raise ValueError(f"fault on {role}.{name}: {base.__name__} has no such public method")
+            body[name] = _faulty_method(name, base_method)
+        classes[role] = type(f"Faulty{base.__name__}", (FaultInjection, base), body)
     return classes

@@ -90,10 +90,12 @@ class TrainableWorker(WorkerBase):
             micros, _ = split_micro_batches(shard, **micro_batch_plan(section, shard))
             records: list[dict[str, Metric]] = []
             self.optimizer.zero_grad(set_to_none=True)
+            finite_loss = True
             for index, micro in enumerate(micros):
                 with self._gradient_sync(last=index == len(micros) - 1):
                     loss, metrics = self.micro_loss(micro, meta)
                     loss.backward()
+                finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
                 records.append(metrics)
             if probes.enable:  # the reduced gradient, before clipping changes it
                 records.append(gradient_probes(self.model, f"{self.section}/grad_probe/mb{minibatch_index}",
@@ -103,6 +105,10 @@ class TrainableWorker(WorkerBase):
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             grad_norm = float(grad_norm)
+            if not self._all_ranks(finite_loss):
+                # a clamp gives a NaN input a zero gradient, so a NaN loss can come with a finite
+                # norm: it is handled as a non-finite gradient, on every rank alike
+                grad_norm = math.nan
             step_record = {
                 f"{self.section}/grad_norm": Metric(grad_norm, Aggregation.MAX),
                 f"{self.section}/lr": Metric(self.scheduler.get_last_lr()[0], Aggregation.MAX),
@@ -125,6 +131,16 @@ class TrainableWorker(WorkerBase):
             per_minibatch.append(records)
         self.scheduler.step()
         return per_minibatch
+
+    def _all_ranks(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of the group (a one-element all-reduce)."""
+        if not self.distributed:
+            return flag
+        import torch.distributed as dist
+
+        value = torch.tensor([0.0 if flag else 1.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value.item() == 0.0
 
     def _gradient_sync(self, last: bool):
         """DDP all-reduces the whole gradient on every backward: accumulate the micro-batches

@@ -40,6 +40,13 @@ EXACT = {
     "trainer.experiment_name": "e",
 }
 
+# the cheapest fits, 1 step: actor + rollout (2 processes instead of EXACT's 6); then one more
+# process each for a role under test: the critic (GAE needs values), the reference (the actor's KL loss)
+CHEAP = {"algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False, "actor.dp_size": 1,
+         "trainer.total_steps": 1}
+WITH_CRITIC = {**CHEAP, "algorithm.adv_estimator": "gae"}
+WITH_REFERENCE = {**CHEAP, "actor.use_kl_loss": True}
+
 _cache: dict = {}
 
 
@@ -157,3 +164,29 @@ def __getattr__(name):
     if name == "PPOTrainerWithStepClock":
         return _clocked_trainer_class()
     raise AttributeError(name)
+
+
+def live_workers() -> set[str]:
+    """The Ray actors alive and the placement groups not removed, in this test session's Ray."""
+    import ray
+    # ray.util.state needs the dashboard, which the tests' local Ray does not start
+    from ray._private.state import actors
+
+    alive = {f"actor {actor_id} ({info.get('ActorClassName')})" for actor_id, info in actors().items()
+             if info.get("State") != "DEAD"}
+    groups = {f"placement group {pg_id} ({info.get('state')})" for pg_id, info in ray.util.placement_group_table().items()
+              if info.get("state") != "REMOVED"}
+    return alive | groups
+
+
+def assert_no_new_workers(before: set[str], wait_s: float = 15.0) -> None:
+    """Whatever a fit started is gone (ray.kill and placement-group removal are asynchronous)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = sorted(live_workers() - before)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"the fit left workers behind: {left}"

@@ -1,13 +1,15 @@
-"""Faults: a worker that dies mid-step, a worker that hangs, remote-call timeouts.
+"""Faults: a worker of any role that dies or hangs mid-step or mid-save, remote-call timeouts.
 
 Faults are injected by test-only worker subclasses (tests/fault_workers.py) passed in with
 PPOTrainer(worker_classes=...); nothing in rlflow/, controllers/ or workers/ knows about them.
+(NaN out of a worker's model: test_nan_faults.py.)
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import pytest
@@ -18,8 +20,12 @@ from controllers.worker_group import WorkerError, get_with_timeout
 from reliability import runs
 
 # 2 processes (actor, rollout) instead of runs.EXACT's 6
-CHEAP = {"algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False, "actor.dp_size": 1,
-         "trainer.total_steps": 1}
+CHEAP = runs.CHEAP
+# the steps' remote-call timeout of the hang tests (setup runs under tiny_overrides' 120 s), and
+# how much later than it the error may come: the step's calls before the hung one (well under a
+# second each on the tiny model) and the way up to fit()
+HANG_TIMEOUT_S = 3
+HANG_MARGIN_S = 4
 
 def test_worker_death_then_exact_resume(ray_session, tiny_model_dir, tmp_path):
     """4 steps straight vs 2 steps + checkpoint + a worker death in step 3 + a NEW fit with
@@ -92,6 +98,90 @@ def test_hung_worker_times_out_naming_the_call(ray_session, tiny_model_dir, tmp_
     assert step_timeout_s - 0.5 < elapsed < step_timeout_s + 10, elapsed
 
 
+# (fault spec, config, the call the error must name); one worker of each other role dies or hangs
+# in one of its calls during step 1 (the actor's: the two tests above)
+ROLE_FAULTS = [
+    pytest.param("rollout:0:generate:1:exit", CHEAP, "rollout rank 0: generate", id="rollout-dies-in-generate"),
+    pytest.param("rollout:0:generate:1:sleep=600", CHEAP, "rollout rank 0: generate", id="rollout-hangs-in-generate"),
+    pytest.param("critic:0:compute_values:1:exit", runs.WITH_CRITIC, "critic rank 0: compute_values",
+                 id="critic-dies-in-compute_values"),
+    pytest.param("critic:0:update:1:sleep=600", runs.WITH_CRITIC, "critic rank 0: update", id="critic-hangs-in-update"),
+    pytest.param("reference:0:compute_ref_log_prob:1:exit", runs.WITH_REFERENCE, "reference rank 0: compute_ref_log_prob",
+                 id="reference-dies-in-compute_ref_log_prob"),
+    pytest.param("reference:0:compute_ref_log_prob:1:sleep=600", runs.WITH_REFERENCE,
+                 "reference rank 0: compute_ref_log_prob", id="reference-hangs-in-compute_ref_log_prob"),
+]
+
+
+@pytest.mark.parametrize("spec, overrides, call", ROLE_FAULTS)
+def test_dead_or_hung_worker_of_each_role_fails_the_step_naming_it(ray_session, tiny_model_dir, tmp_path,
+                                                                   no_leftover_workers, spec, overrides, call):
+    """One WorkerError naming the step, role, rank and call: for a death at once (far within
+    remote_timeout_s), for a hang once the call's timeout has run out and not much later. The
+    fixture checks that the dead or hung worker is gone afterwards."""
+    hangs = ":sleep=" in spec
+    trainer = runs.PPOTrainerWithStepClock(runs.make_config(tiny_model_dir, str(tmp_path), **overrides),
+                                           step_timeout_s=HANG_TIMEOUT_S if hangs else None, fault_spec=spec)
+    timeout_s = trainer.cfg.trainer.remote_timeout_s
+    with pytest.raises(WorkerError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert 1 in trainer.step_started, f"failed before step 1: {message}"
+    elapsed = time.monotonic() - trainer.step_started[1]
+    print(f"\n{spec} -> after {elapsed:.1f} s: {message[:300]}")
+    assert trainer.history == []
+    assert "\n" not in message, f"one error, nothing after it: {message}"
+    if hangs:
+        assert message.startswith(f"step 1 (of 1): {call} did not return within "
+                                  f"trainer.remote_timeout_s={HANG_TIMEOUT_S} s (waited "), message
+        waited = float(re.search(r"\(waited ([0-9.]+) s\)", message).group(1))
+        assert HANG_TIMEOUT_S <= waited < HANG_TIMEOUT_S + 1, message
+        assert HANG_TIMEOUT_S <= elapsed < HANG_TIMEOUT_S + HANG_MARGIN_S, elapsed
+    else:
+        assert message.startswith(f"step 1 (of 1): {call}: the worker process died"), message
+        assert elapsed < min(10.0, timeout_s / 10), f"the error took {elapsed:.1f} s (remote_timeout_s={timeout_s})"
+
+
+def test_worker_death_during_a_save_keeps_the_previous_checkpoint(ray_session, tiny_model_dir, tmp_path,
+                                                                   no_leftover_workers):
+    """save_freq=1: actor rank 0 dies in state_for_checkpoint during step 2's save.
+
+    The error names the rank and the call; step 1's checkpoint stays `latest` and verifies; there
+    is no step_2 folder and no temporary folder (the states are collected before anything is
+    written). A new run resumes from step 1, redoes step 2 exactly and saves it; the next save
+    prunes what an interrupted write would have left (a half-written .tmp-step_2-* folder)."""
+    overrides = {**CHEAP, "trainer.total_steps": 2, "trainer.save_freq": 1}
+    base = str(tmp_path / "run")
+    trainer = runs.PPOTrainerWithStepClock(runs.make_config(tiny_model_dir, base, **overrides),
+                                           fault_spec="actor:0:state_for_checkpoint:2:exit")
+    with pytest.raises(WorkerError) as info:
+        trainer.fit()
+    message = str(info.value)
+    print(f"\nsave -> {message[:300]}")
+    assert "actor rank 0: state_for_checkpoint: the worker process died" in message, message
+    crashed = list(trainer.history)
+    assert [h["step"] for h in crashed] == [1, 2], "step 2 trained; its save failed"
+    root = os.path.join(runs.run_dir_of(base), "checkpoints")
+    assert sorted(os.listdir(root)) == ["latest", "step_1"]
+    assert open(os.path.join(root, "latest")).read().strip() == "step_1"
+    assert ckpt.list_checkpoints(root) == [(1, "step_1")]
+    assert ckpt.find_latest(root) == os.path.join(root, "step_1")
+    assert ckpt.verify(os.path.join(root, "step_1"))["step"] == 1
+
+    # what a driver killed while writing step 2's files leaves (tests/test_checkpoint.py)
+    half = os.path.join(root, ".tmp-step_2-killed", "actor")
+    os.makedirs(half)
+    with open(os.path.join(half, "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 100)
+    resumed = runs.fit(tiny_model_dir, base, **overrides)
+    assert [h["step"] for h in resumed] == [1, 2]
+    runs.assert_same(runs.metrics(resumed), runs.metrics(crashed))
+    assert sorted(os.listdir(root)) == ["latest", "step_1", "step_2"], "the save of step 2 prunes the leftover"
+    assert ckpt.find_latest(root) == os.path.join(root, "step_2")
+    for step in (1, 2):
+        assert ckpt.verify(os.path.join(root, f"step_{step}"))["step"] == step
+
+
 def test_get_with_timeout_reports_a_failure_at_once(ray_session):
     """One call fails while the others would run for a minute: the error comes at once."""
     import ray
@@ -147,15 +237,71 @@ def test_collective_timeout_comes_from_config(monkeypatch, tiny_model_dir):
 
 
 def test_fault_specs_are_checked():
-    """The test-only fault workers: a bad spec is refused; a spec names roles and ranks."""
+    """The test-only fault workers: a bad spec is refused; a spec names roles, ranks and any
+    public method of the role's worker, which the subclass wraps (the others stay the base's)."""
     import fault_workers
 
-    from workers.actor import ActorWorker
+    from controllers.ppo import default_worker_classes
 
+    defaults = default_worker_classes()
     classes = fault_workers.faulty_workers("actor:*:update:*:nan=1,actor:0:compute_log_prob:2:raise")
-    assert list(classes) == ["actor"] and issubclass(classes["actor"], ActorWorker)
+    assert list(classes) == ["actor"] and issubclass(classes["actor"], defaults["actor"])
     assert [f.method for f in classes["actor"].FAULTS] == ["update", "compute_log_prob"]
-    with pytest.raises(ValueError, match="unknown action"):
-        fault_workers.parse("actor:0:update:1:bogus")
-    with pytest.raises(ValueError, match="role:rank:method:nth:action"):
-        fault_workers.parse("actor:0:update")
+    classes = fault_workers.faulty_workers("rollout:0:generate:1:exit,critic:*:compute_values:*:nan_values,"
+                                           "reference:0:compute_ref_log_prob:2:sleep=1.5,actor:0:state_for_checkpoint:2:exit")
+    assert sorted(classes) == ["actor", "critic", "reference", "rollout"]
+    for role, method in [("rollout", "generate"), ("critic", "compute_values"), ("reference", "compute_ref_log_prob"),
+                         ("actor", "state_for_checkpoint")]:
+        assert issubclass(classes[role], defaults[role])
+        assert method in vars(classes[role]), f"{role}.{method} is not wrapped"
+    assert "update" not in vars(classes["critic"]) and "compute_log_prob" not in vars(classes["actor"])
+    for bad, why in [("actor:0:update:1:bogus", "unknown action"), ("actor:0:update:1:nan_", "unknown action"),
+                     ("actor:0:update", "role:rank:method:nth:action"), ("actor:x:update:1:exit", "numbers or"),
+                     ("critic:0:compute_values:1:nan", "use it on update"), ("actor:0:update:1:nan_values", "critic"),
+                     ("critic:0:update:1:nan_logits", "actor / reference")]:
+        with pytest.raises(ValueError, match=why):
+            fault_workers.parse(bad)
+    with pytest.raises(ValueError, match="no such public method"):
+        fault_workers.faulty_workers("critic:0:compute_log_prob:1:exit")
+    with pytest.raises(ValueError, match="the roles are"):
+        fault_workers.faulty_workers("learner:0:update:1:exit")
+
+
+def test_faults_happen_on_the_nth_call_of_the_named_rank():
+    """The wrapper in a plain process: which call of which rank does what; nan_logits poisons the
+    model's forwards during that call only, gradients included."""
+    import types
+
+    import fault_workers
+
+    class Model(torch.nn.Module):  # returns an object with .logits, as a transformers model does
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return types.SimpleNamespace(logits=self.linear(x))
+
+    class Worker:
+        role = "actor"
+
+        def __init__(self, rank):
+            self.rank = rank
+            self.model = Model()
+
+        def step(self, x):
+            self.model.zero_grad()
+            logits = self.model(x).logits
+            logits.sum().backward()
+            return logits.detach(), self.model.linear.weight.grad
+
+    spec = "actor:1:step:2:nan_logits,actor:0:step:*:raise"
+    body = {"FAULTS": fault_workers.parse(spec), "step": fault_workers._faulty_method("step", Worker.step)}
+    faulty = type("FaultyWorker", (fault_workers.FaultInjection, Worker), body)
+    rank1 = faulty(rank=1)
+    calls = [rank1.step(torch.ones(1, 3)) for _ in range(3)]
+    assert [bool(torch.isnan(logits).all()) for logits, _ in calls] == [False, True, False]
+    assert [bool(torch.isnan(grad).all()) for _, grad in calls] == [False, True, False]
+    assert all(torch.isfinite(t).all() for i in (0, 2) for t in calls[i]), "only the 2nd call is poisoned"
+    with pytest.raises(fault_workers.InjectedFault, match="actor rank 0, call 1 of step"):
+        faulty(rank=0).step(torch.ones(1, 3))
