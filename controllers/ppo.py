@@ -50,14 +50,20 @@ class Timer:
 
 
 def resolve_model_path(cfg: RLFlowConfig) -> str:
-    """"tiny" means the embedded model, built and warm-started locally (cached)."""
+    """"tiny" means the embedded model, built and warm-started locally (cached); an alias of
+    rlflow.models.MODEL_ALIASES (e.g. "smollm2-135m") a packaged model converted once into the cache."""
     path = cfg.actor.model.path
     if path == "tiny":
         from rlflow.tiny import warm_start
 
         return warm_start(cfg.data.synthetic_task)
+    from rlflow.models import MODEL_ALIASES, resolve_alias
+
+    if path in MODEL_ALIASES:
+        return resolve_alias(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"actor.model.path={path!r} is not a folder (a local HF model folder, or 'tiny')")
+        raise FileNotFoundError(f"actor.model.path={path!r} is not a folder (a local HF model folder, 'tiny', "
+                                f"or one of {', '.join(sorted(MODEL_ALIASES))})")
     check_causal_lm_folder(path)
     return path
 

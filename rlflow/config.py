@@ -46,7 +46,8 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
-    # "tiny": the embedded tiny Qwen2 model, built and warm-started locally (rlflow.tiny)
+    # "tiny": the embedded tiny Qwen2 model, built and warm-started locally (rlflow.tiny);
+    # "smollm2-135m": SmolLM2-135M-Instruct converted once from a pip package (rlflow.models)
     path: str = "tiny"
     dtype: str = "float32"
     gradient_checkpointing: bool = False

@@ -95,15 +95,20 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 # tokenizer
 
 
+#: The tasks whose text the tiny tokenizer is trained on. A fixed list: a task added to the registry
+#: later (e.g. the English word problems for a pretrained model) must not change the tiny tokenizer.
+TOKENIZER_TASKS = ("add", "reverse", "sort")
+
+
 def _tokenizer_corpus() -> list[str]:
     from rlflow.data.synthetic import TASKS, make_synthetic_rows
 
     lines: list[str] = []
-    for name in sorted(TASKS):
+    for name in TOKENIZER_TASKS:
         for row in make_synthetic_rows(name, 200, seed=12345, split="train"):
             lines.append(row["prompt"] + row["reward_model"]["ground_truth"])
             lines.append(row["prompt"] + " " + row["reward_model"]["ground_truth"])
-    chars = sorted({c for name in TASKS for c in TASKS[name].alphabet} | set(" \n"))
+    chars = sorted({c for name in TOKENIZER_TASKS for c in TASKS[name].alphabet} | set(" \n"))
     lines.append("".join(chars))
     lines.append("the answer is 42\nQ: what is 3+4? A: 7")
     return lines

@@ -150,6 +150,20 @@ register_task(
     )
 )
 
+from rlflow.data import word_problems as _word_problems  # noqa: E402 (plain module, no cycle)
+
+register_task(
+    SyntheticTask(
+        name="word_problems",
+        ability="arithmetic",
+        generate=_word_problems.generate,
+        defaults=dict(_word_problems.DEFAULTS),
+        alphabet=_word_problems.ALPHABET,
+        description="an English word problem (add / take away, several steps) -> the final count; "
+        "for a pretrained chat model (configs/smollm2_135m_word_problems.yaml)",
+    )
+)
+
 #: The default run's task. Reverse is learnt by a tiny model in a few hundred SFT steps, so the warm
 #: start can execute both the right strategy and its distractor (copying) well; RL then has to
 #: pick the rewarded one. Addition with carries is far from learnt in that budget, which leaves RL

@@ -1,4 +1,5 @@
-"""Reward for the synthetic tasks (rlflow.data.synthetic).
+"""Reward for the synthetic tasks (rlflow.data.synthetic); the English word problems are scored
+by rlflow.rewards.word_problems (their final number), the others as follows.
 
 ``solution_str`` is the response as the model emitted it, decoded with special tokens skipped
 (so the EOS is already gone). The answer is the text up to the first newline (a stop), stripped of
@@ -42,6 +43,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> d
     task = str(data_source or "")
     if task.startswith("synthetic/"):
         task = task[len("synthetic/"):]
+    if task == "word_problems":  # prose answers: the final number counts (rlflow.rewards.word_problems)
+        from rlflow.rewards import word_problems
+
+        return word_problems.compute_score(data_source, solution_str, ground_truth, extra_info)
     answer = extract_answer(solution_str)
     truth = str(ground_truth).strip()
     exact = answer == truth
