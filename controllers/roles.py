@@ -60,6 +60,9 @@ class Role:
     trains: bool = False
     update_keys: Callable[[RLFlowConfig, bool], tuple[str, ...]] | None = None
     section: str | None = None  # the config section of a trained role's batch sizes (default: its name)
+    # batch keys the update also reads when the step's batch carries them (a replayed recording
+    # or an engine without log-probs may not): sent when present, never required
+    optional_update_keys: tuple[str, ...] = ()
 
     def worker_class(self) -> type:
         if isinstance(self.worker, type):
@@ -89,6 +92,8 @@ ACTOR = Role(
     forward=Forward("compute_log_prob", "old_log_probs", when=lambda cfg, on_policy: not on_policy),
     trains=True,
     update_keys=_actor_update_keys,
+    # the rollout engine's log-probs: the mismatch metrics and the rollout correction
+    optional_update_keys=("rollout_log_probs",),
 )
 
 CRITIC = Role(

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, POLICY_LOSSES  # torch-only
 from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, option_names
+from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
 
 ROLLOUT_NAMES = ("hf", "vllm", "auto")
 WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
@@ -180,6 +181,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The rollout engine's vs the trainer's log-probs of each sampled token (rlflow.algos.rollout_correction):
+    the mismatch metrics (rollout_corr/*) are reported whenever the batch carries rollout_log_probs;
+    mode weights every policy loss's per-token terms by pi_old / pi_rollout (decoupled PPO)."""
+
+    mode: str = "none"  # none | token_tis | seq_tis | token_mis | seq_mis
+    cap: float = 2.0  # C of the *_tis modes: weight min(ratio, C); >= 1
+    low: float = 0.5  # [low, high]: the *_mis modes' band (ratio outside -> weight 0) and the
+    high: float = 2.0  # band of the rollout_corr/out_of_band_frac metric; low <= 1 <= high
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -188,6 +201,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -424,6 +438,18 @@ def _check_loss_terms(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} {err.problem}") from err
 
 
+def _check_rollout_correction(cfg: DictConfig) -> None:
+    section = cfg.algorithm.rollout_correction
+    try:
+        options = rollout_correction_options(section)
+    except LossOptionError as err:
+        raise ConfigError(f"algorithm.rollout_correction.{err.option} {err.problem}") from err
+    if options.enabled and not cfg.trainer.replay_rollouts:
+        _need(bool(cfg.rollout.calculate_log_probs),
+              f"algorithm.rollout_correction.mode={options.mode} weights tokens by the rollout engine's "
+              "log-probs: it needs rollout.calculate_log_probs=true")
+
+
 def validate_config(cfg: DictConfig) -> None:
     data, rollout, algo, trainer = cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
     _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
@@ -447,6 +473,7 @@ def validate_config(cfg: DictConfig) -> None:
     _need(cfg.actor.kl_loss_type in KL_PENALTY_MODES,
           f"actor.kl_loss_type={cfg.actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _check_loss_terms(cfg)
+    _check_rollout_correction(cfg)
     _need(algo.kl_penalty in KL_PENALTY_MODES,
           f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _need(algo.kl_ctrl.type in ("fixed", "adaptive"),

@@ -10,8 +10,11 @@ rlflow.metrics by their declared aggregations, must equal the whole mini-batch's
 
 The term test iterates the registry of loss terms (every policy loss and the value, entropy and KL
 terms, rlflow.algos.registered_terms), draws every option of each term's options dataclass, and
-differentiates with respect to every float input the term declares; so a newly registered term
-or option is covered automatically (or fails until this file can draw it). Hypothesis also draws
+differentiates with respect to every float input the term declares (its optional inputs, such as
+the policy losses' rollout_is_weights, drawn in or out); so a newly registered term or option is
+covered automatically (or fails until this file can draw it). The rollout-correction test iterates
+that registry too (rlflow.algos.ROLLOUT_CORRECTIONS): each mode's weights and the mismatch metrics,
+computed per micro-batch, feed every policy loss. Hypothesis also draws
 the values' dtype (float64, float32) and the mask's dtype (float64, float32, long, bool).
 """
 
@@ -30,10 +33,14 @@ from rlflow.algos import (
     LOSS_AGG_MODES,
     LOSS_TERMS,
     POLICY_LOSSES,
+    ROLLOUT_IS_WEIGHTS,
     EntropyBonusOptions,
     LossOptions,
+    RolloutCorrectionOptions,
     agg_loss,
     compose_loss,
+    compute_rollout_correction,
+    correction_modes,
     entropy_bonus_term,
     entropy_from_logits,
     masked_mean,
@@ -272,6 +279,9 @@ def term_inputs(gen, keys, rows, width, dtype, outcome_advantages: bool) -> dict
         "vpreds": lambda: vpreds,
         "values": lambda: vpreds + randn(gen, *shape, scale=0.3, dtype=dtype),
         "returns": lambda: randn(gen, *shape, dtype=dtype),
+        # the rollout correction's weights: >= 0, some exactly 0 (dropped tokens), some above 1
+        ROLLOUT_IS_WEIGHTS: lambda: torch.where(randn(gen, *shape, dtype=dtype) > 0.8, torch.zeros(shape, dtype=dtype),
+                                                torch.exp(randn(gen, *shape, scale=0.7, dtype=dtype))),
     }
     missing = [key for key in keys if key not in makers]
     assert not missing, f"a term reads batch keys {missing}: add their generators to term_inputs"
@@ -325,6 +335,7 @@ def test_every_registered_term_split_invariance(term_name, mode, case, outcome_a
     options = term_options(spec.options, mode, data.draw)
     gen, mask, plan, meta = setup_case(case)
     keys = [key for key in spec.inputs if key != "response_mask"]
+    keys += [key for key in spec.optional_inputs if data.draw(st.booleans(), label=f"with {key}")]
     inputs = term_inputs(gen, keys, case["rows"], case["width"], case["dtype"], outcome_advantages)
     loss_fn, leaf_init = term_loss_fn(spec.fn, options, inputs, mask)
     assert_invariant(check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"]))
@@ -383,6 +394,65 @@ def test_composed_actor_loss_split_invariance(policy_loss, case, data):
     loss_fn, leaf_init = term_loss_fn(composed, None, inputs, mask)
     result = check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"])
     assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"} <= result["whole_metrics"].keys()
+    assert_invariant(result)
+
+
+# Every option of the rollout correction, drawn over its valid range (low <= 1 <= high, cap >= 1).
+CORRECTION_OPTION_STRATEGIES = {
+    "cap": st.floats(1.0, 3.0),
+    "low": st.floats(0.0, 0.95),
+    "high": st.floats(1.05, 3.0),
+}
+
+
+def test_every_option_of_the_rollout_correction_can_be_drawn():
+    import dataclasses
+
+    for field in dataclasses.fields(RolloutCorrectionOptions):
+        assert field.name == "mode" or field.name in CORRECTION_OPTION_STRATEGIES, field.name
+
+
+@pytest.mark.parametrize("correction", correction_modes())
+@pytest.mark.parametrize("policy_loss", sorted(POLICY_LOSSES))
+@HYPOTHESIS
+@given(case=splits(), data=st.data())
+def test_rollout_correction_split_invariance(correction, policy_loss, case, data):
+    """Each correction mode (the registry, and none: the mismatch metrics alone) computed on every
+    micro-batch from its slice of old_log_probs / rollout_log_probs, its weights fed to the policy
+    loss: the gradient, the loss, and every metric (the MAX of |old - rollout| included) equal the
+    whole mini-batch's. Dropped tokens keep their counts: the same BatchMeta serves every split."""
+    mode = data.draw(st.sampled_from(LOSS_AGG_MODES))
+    spec = POLICY_LOSSES[policy_loss]
+    loss_options = term_options(spec.options, mode, data.draw)
+    correction_options = RolloutCorrectionOptions(
+        mode=correction, **{name: data.draw(strategy) for name, strategy in CORRECTION_OPTION_STRATEGIES.items()})
+    gen, mask, plan, meta = setup_case(case)
+    inputs = term_inputs(gen, ["log_probs", "old_log_probs", "advantages"], case["rows"], case["width"], case["dtype"], False)
+    # the behaviour policy: a token-level mismatch wide enough to cross the cap and the band, and
+    # some tokens exactly on-policy (ratio 1)
+    noise = randn(gen, case["rows"], case["width"], scale=0.4, dtype=case["dtype"])
+    noise = torch.where(randn(gen, case["rows"], case["width"], dtype=case["dtype"]) > 0.5, torch.zeros_like(noise), noise)
+    inputs["rollout_log_probs"] = inputs["old_log_probs"] - noise
+    keys = list(inputs)
+
+    def loss_fn(leaf, rows, width, meta):
+        batch = {key: sliced(leaf[i], rows, width) for i, key in enumerate(keys)}
+        batch["response_mask"] = sliced(mask, rows, width)
+        weights, correction_metrics = compute_rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction_options)
+        assert (weights is None) == (correction == "none")
+        if weights is not None:
+            assert not weights.requires_grad  # detached: the weights are data, not a path of the gradient
+            batch[ROLLOUT_IS_WEIGHTS] = weights
+        loss, policy = spec.fn(batch, meta, loss_options)
+        return loss, {**policy, **correction_metrics}
+
+    result = check_split_invariance(loss_fn, torch.stack([inputs[key] for key in keys]), mask, plan, meta, case["trim"])
+    names = set(result["whole_metrics"])
+    assert {"rollout_corr/log_ratio_mean", "rollout_corr/k3_kl", "rollout_corr/abs_diff_max",
+            "rollout_corr/out_of_band_frac"} <= names
+    assert ("rollout_corr/dropped_frac" in names) == (correction != "none")
+    assert result["whole_metrics"]["rollout_corr/abs_diff_max"].aggregation is metrics.Aggregation.MAX
     assert_invariant(result)
 
 
@@ -495,3 +565,47 @@ def test_negative_control_metric_weighted_by_the_wrong_count_is_caught():
     result = check_split_invariance(loss_fn, values, mask, plan, global_meta(mask, 1, False), False)
     with pytest.raises(AssertionError, match="stat"):
         assert_invariant(result)
+
+
+def test_negative_control_weights_normalised_over_the_micro_batch_are_caught():
+    """IS weights renormalised to mean 1 over the micro-batch (a per-batch normalisation some
+    implementations offer) depend on which rows share a micro-batch; so does a largest-difference
+    metric declared a MEAN. The rollout-correction harness detects both."""
+    from rlflow.algos.masked import masked_mean
+    from rlflow.algos.rollout_correction import rollout_is_weights
+
+    gen = torch.Generator().manual_seed(8)
+    rows, width = 6, 5
+    mask = random_mask(gen, rows, width, holes=False)
+    mask[0] = 1  # no empty row: every micro-batch below has tokens
+    plan = [[torch.tensor([0, 1]), torch.tensor([2, 3, 4, 5])]]
+    inputs = term_inputs(gen, ["log_probs", "old_log_probs", "advantages"], rows, width, DTYPE, False)
+    inputs["rollout_log_probs"] = inputs["old_log_probs"] - randn(gen, rows, width, scale=0.4)
+    keys = list(inputs)
+    spec = POLICY_LOSSES["reinforce"]
+    options = spec.options(loss_agg_mode="token-mean")
+    correction = RolloutCorrectionOptions(mode="token_tis", cap=3.0)
+
+    def loss_fn(leaf, rows_idx, width, meta, normalise=False, max_as_mean=False):
+        batch = {key: sliced(leaf[i], rows_idx, width) for i, key in enumerate(keys)}
+        batch["response_mask"] = sliced(mask, rows_idx, width)
+        weights, correction_metrics = compute_rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction)
+        if normalise:
+            weights = weights / masked_mean(weights, batch["response_mask"])
+        if max_as_mean:
+            biggest = correction_metrics["rollout_corr/abs_diff_max"]
+            correction_metrics["rollout_corr/abs_diff_max"] = metrics.Metric(biggest.value, metrics.Aggregation.MEAN, 1.0)
+        loss, policy = spec.fn({**batch, ROLLOUT_IS_WEIGHTS: weights}, meta, options)
+        return loss, {**policy, **correction_metrics}
+
+    meta = global_meta(mask, 1, as_tensor=True)
+    leaf = torch.stack([inputs[key] for key in keys])
+    assert_invariant(check_split_invariance(loss_fn, leaf, mask, plan, meta, False))  # the real one passes
+    assert rollout_is_weights(inputs["old_log_probs"], inputs["rollout_log_probs"], mask, correction) is not None
+    normalised = check_split_invariance(lambda *a: loss_fn(*a, normalise=True), leaf, mask, plan, meta, False)
+    with pytest.raises(AssertionError):
+        assert_invariant(normalised)
+    mean_of_max = check_split_invariance(lambda *a: loss_fn(*a, max_as_mean=True), leaf, mask, plan, meta, False)
+    with pytest.raises(AssertionError, match="abs_diff_max"):
+        assert_invariant(mean_of_max)

@@ -7,7 +7,9 @@ from collections import ChainMap
 import torch
 from tensordict import TensorDict
 
-from rlflow.algos import actor_loss_terms, compose_loss, masked_mean_metric
+from rlflow.algos import ROLLOUT_IS_WEIGHTS, ROLLOUT_LOG_PROBS, actor_loss_terms, compose_loss, masked_mean_metric
+from rlflow.algos.rollout_correction import compute_rollout_correction
+from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
 from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers.base import WorkerBase
@@ -58,6 +60,7 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
         self.loss_terms = actor_loss_terms(actor)
+        self.rollout_correction = rollout_correction_options(self.cfg.algorithm.rollout_correction)
         return sum(p.numel() for p in model.parameters())
 
     def compute_log_prob(self, td: TensorDict) -> TensorDict:
@@ -76,10 +79,30 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         if "old_log_probs" not in micro.keys():
             # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
             forward["old_log_probs"] = log_prob.detach()
+        correction_metrics = self._rollout_correction(micro, forward)
         loss, metrics = compose_loss(self.loss_terms, ChainMap(forward, micro), meta, prefix="actor/")
         # per-token entropy, reported whether or not it is in the loss; an exact token mean whatever the split
         metrics["actor/entropy"] = masked_mean_metric(entropy, micro["response_mask"])
+        metrics.update(correction_metrics)
         return loss, metrics
+
+    def _rollout_correction(self, micro: TensorDict, forward: dict) -> dict[str, Metric]:
+        """The mismatch of the rollout's log-probs against the proximal ones (forward's or the
+        driver's old_log_probs) and, with algorithm.rollout_correction.mode set, the IS weights
+        every policy loss multiplies (forward[rollout_is_weights])."""
+        options = getattr(self, "rollout_correction", None)
+        if options is None:  # a worker built without init_model (in-process tests, subclasses)
+            options = self.rollout_correction = rollout_correction_options(self.cfg.algorithm.rollout_correction)
+        if ROLLOUT_LOG_PROBS not in micro.keys():
+            if options.enabled:
+                raise ValueError(f"actor rank {self.rank}: algorithm.rollout_correction.mode={options.mode} needs "
+                                 f"{ROLLOUT_LOG_PROBS}, which this batch lacks")
+            return {}
+        old = forward["old_log_probs"] if "old_log_probs" in forward else micro["old_log_probs"]
+        weights, metrics = compute_rollout_correction(old, micro[ROLLOUT_LOG_PROBS], micro["response_mask"], options)
+        if weights is not None:
+            forward[ROLLOUT_IS_WEIGHTS] = weights
+        return metrics
 
 
 class ReferenceWorker(LogProbMixin, WorkerBase):

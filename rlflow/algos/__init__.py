@@ -1,4 +1,5 @@
-"""Pure torch RL algorithms: loss aggregation, loss terms (policy/value/entropy/KL), KL, advantages.
+"""Pure torch RL algorithms: loss aggregation, loss terms (policy/value/entropy/KL), KL, advantages,
+the rollout correction (mismatch metrics, truncated/masked importance weights).
 
 Imports torch and the standard library only (no ray, transformers or omegaconf), so the driver and
 tests can use it without paying for the heavy stacks.
@@ -29,7 +30,9 @@ from .losses import (
     LOSS_AGG_MODES,
     LOSS_TERMS,
     POLICY_LOSS_INPUTS,
+    POLICY_LOSS_OPTIONAL_INPUTS,
     POLICY_LOSSES,
+    ROLLOUT_IS_WEIGHTS,
     DualClipOptions,
     EntropyBonusOptions,
     GeoMeanOptions,
@@ -42,6 +45,7 @@ from .losses import (
     ValueLossOptions,
     agg_loss,
     aggregate,
+    aggregate_policy,
     aggregated_loss_metric,
     compute_entropy_loss,
     compute_policy_loss_geo_mean,
@@ -63,6 +67,16 @@ from .losses import (
     value_loss_term,
 )
 from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from .rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    ROLLOUT_LOG_PROBS,
+    RolloutCorrectionOptions,
+    correction_modes,
+    mismatch_metrics,
+    register_rollout_correction,
+    compute_rollout_correction,
+    rollout_is_weights,
+)
 from .terms import (
     LossTerm,
     actor_loss_terms,
@@ -94,7 +108,9 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LOSS_TERMS",
     "POLICY_LOSS_INPUTS",
+    "POLICY_LOSS_OPTIONAL_INPUTS",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_WEIGHTS",
     "DualClipOptions",
     "EntropyBonusOptions",
     "GeoMeanOptions",
@@ -107,6 +123,7 @@ __all__ = [
     "ValueLossOptions",
     "agg_loss",
     "aggregate",
+    "aggregate_policy",
     "aggregated_loss_metric",
     "compute_entropy_loss",
     "compute_policy_loss_geo_mean",
@@ -138,4 +155,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "ROLLOUT_CORRECTIONS",
+    "ROLLOUT_LOG_PROBS",
+    "RolloutCorrectionOptions",
+    "correction_modes",
+    "mismatch_metrics",
+    "register_rollout_correction",
+    "compute_rollout_correction",
+    "rollout_is_weights",
 ]

@@ -16,6 +16,10 @@ The term contract: a loss term is ``fn(batch, meta, options) -> (loss, metrics)`
   meta's counts; ``metrics``: {name: rlflow.metrics.Metric}, each declaring its aggregation
   (a per-token statistic is weighted by the micro-batch's own valid-token count).
 A new input is a new batch key and a new setting a new options field: no signature changes.
+
+Rollout correction (rlflow.algos.rollout_correction) enters every policy loss in one place:
+``aggregate_policy`` multiplies the per-token loss by the batch's ``rollout_is_weights`` (a declared
+optional input of every policy loss) before ``aggregate``; the mask, and so every count, is unchanged.
 """
 
 from __future__ import annotations
@@ -195,11 +199,13 @@ def option_names(options_cls: type) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class TermSpec:
-    """A registered loss term: its function, its options dataclass, the batch keys it reads."""
+    """A registered loss term: its function, its options dataclass, the batch keys it reads
+    (`inputs`: always; `optional_inputs`: when the batch carries them)."""
 
     fn: TermFn
     options: type
     inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
 
 
 def normalisation(meta, options: LossOptions) -> dict:
@@ -211,6 +217,25 @@ def normalisation(meta, options: LossOptions) -> dict:
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, meta, options: LossOptions) -> torch.Tensor:
     return agg_loss(per_token, mask, options.loss_agg_mode, **normalisation(meta, options))
+
+
+# per-token importance weights of the rollout correction (rlflow.algos.rollout_correction), [B, R]
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+
+
+def aggregate_policy(per_token: torch.Tensor, batch: Batch, meta, options: LossOptions) -> torch.Tensor:
+    """A policy loss's aggregation: ``aggregate`` of the per-token loss, multiplied first by the
+    batch's ``rollout_is_weights`` when it carries them (the rollout correction; absent: no
+    correction, not even a multiplication by 1).
+
+    The one place the weights enter every policy loss. Only the numerator changes: the mask, so
+    batch_num_tokens / global_batch_size and every local count, stays as it is, and a token of
+    weight 0 (dropped by masked IS) still counts in the denominator whatever the split.
+    """
+    weights = batch.get(ROLLOUT_IS_WEIGHTS)
+    if weights is not None:
+        per_token = per_token * weights
+    return aggregate(per_token, batch["response_mask"], meta, options)
 
 
 def aggregated_loss_metric(loss: torch.Tensor, meta) -> Metric:
@@ -378,6 +403,8 @@ def kl_loss_term(batch: Batch, meta, options: KLLossOptions):
 
 POLICY_LOSSES: dict[str, TermSpec] = {}
 POLICY_LOSS_INPUTS = ("log_probs", "old_log_probs", "advantages", "response_mask")
+# read when present: the rollout correction's weights, applied by aggregate_policy
+POLICY_LOSS_OPTIONAL_INPUTS = (ROLLOUT_IS_WEIGHTS,)
 
 
 def register_policy_loss(name: str, options: type = LossOptions, inputs: tuple[str, ...] = POLICY_LOSS_INPUTS):
@@ -385,13 +412,15 @@ def register_policy_loss(name: str, options: type = LossOptions, inputs: tuple[s
 
     A policy loss is a term (the contract at the top of this module) that reports pg_loss,
     pg_clipfrac, ppo_kl and pg_clipfrac_lower (policy_metrics); `inputs` are the batch keys it
-    reads. The invariance test iterates this registry.
+    reads. It aggregates its per-token loss with aggregate_policy, which applies the rollout
+    correction's weights (every policy loss declares them as an optional input). The invariance
+    test iterates this registry.
     """
 
     def decorator(fn: TermFn) -> TermFn:
         if name in POLICY_LOSSES and POLICY_LOSSES[name].fn is not fn:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = TermSpec(fn, options, tuple(inputs))
+        POLICY_LOSSES[name] = TermSpec(fn, options, tuple(inputs), POLICY_LOSS_OPTIONAL_INPUTS)
         return fn
 
     return decorator
@@ -473,7 +502,7 @@ def compute_policy_loss_vanilla(batch: Batch, meta, options: DualClipOptions):
     negative_adv = advantages < 0
     per_token_loss = torch.where(negative_adv, dual_clipped_loss, ppo_clip_loss)
 
-    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
     dtype = log_prob.dtype
     return pg_loss, policy_metrics(
         pg_loss, meta, mask,
@@ -509,7 +538,7 @@ def compute_policy_loss_gspo(batch: Batch, meta, options: GSPOOptions):
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - options.clip_ratio_low, 1.0 + options.clip_ratio_high)
     per_token_loss = torch.maximum(unclipped_loss, clipped_loss)
 
-    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
     clipped = (clipped_loss > unclipped_loss).to(log_prob.dtype)
     return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=clipped)
 
@@ -523,7 +552,7 @@ def compute_policy_loss_reinforce(batch: Batch, meta, options: LossOptions):
     log_prob, mask = batch["log_probs"], batch["response_mask"]
     log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
     per_token_loss = -batch["advantages"] * torch.exp(log_ratio)
-    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
     return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio)
 
 
@@ -565,6 +594,6 @@ def compute_policy_loss_geo_mean(batch: Batch, meta, options: GeoMeanOptions):
     seq_loss = -seq_advantage * torch.exp(seq_log_ratio)  # [B]
     per_token_loss = seq_loss.unsqueeze(-1).expand_as(log_prob)
 
-    pg_loss = aggregate(per_token_loss, mask, meta, options)
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
     clipped = ((signed_clipped < signed_log_ratio) & (sign != 0)).to(log_prob.dtype)
     return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=clipped)
