@@ -28,7 +28,6 @@ does not verify.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from rlflow.config import config_to_dict
+from rlflow.files import sha256_file
 
 FORMAT_VERSION = 2  # 2: the driver state under "driver"; recorded rollouts no longer inside
 MANIFEST = "manifest.json"
@@ -132,7 +132,7 @@ class _Writer:
     def _done(self, rel: str, path: str) -> None:
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
-        self.files[rel] = {"sha256": _sha256(path), "size": os.path.getsize(path)}
+        self.files[rel] = {"sha256": sha256_file(path), "size": os.path.getsize(path)}
 
     def torch_save(self, rel: str, obj: Any) -> None:
         _check_weights_only(obj, rel)
@@ -293,14 +293,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ---------------------------------------------------------------------------------------------
 # finding and verifying
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +365,7 @@ def verify(ckpt_dir: str) -> dict:
                 f"checkpoint {ckpt_dir}: file {rel} has {size} bytes, the manifest says {entry.get('size')} "
                 "(truncated or replaced)"
             )
-        if _sha256(path) != entry.get("sha256"):
+        if sha256_file(path) != entry.get("sha256"):
             raise CheckpointError(f"checkpoint {ckpt_dir}: file {rel} does not match its sha256 in the manifest (corrupted or modified)")
     if TRAINER_STATE not in files:
         raise CheckpointError(f"checkpoint {ckpt_dir}: the manifest lists no {TRAINER_STATE}")

@@ -21,6 +21,7 @@ import torch
 
 from controllers import checkpoint as ckpt
 from controllers.checkpoint import CheckpointError
+from rlflow.files import sha256_file
 from controllers.ppo import PPOTrainer
 from controllers.roles import enabled_roles
 
@@ -159,7 +160,7 @@ def test_layout_manifest_and_latest(trained):
         assert rel in manifest["files"], rel
         entry = manifest["files"][rel]
         assert entry["size"] == os.path.getsize(os.path.join(path, rel))
-        assert entry["sha256"] == ckpt._sha256(os.path.join(path, rel))
+        assert entry["sha256"] == sha256_file(os.path.join(path, rel))
     # every .pt loads under weights_only=True
     for rel in manifest["files"]:
         if rel.endswith(".pt"):
@@ -359,7 +360,7 @@ def test_malicious_pickle_is_refused_not_executed(trained, tiny_model_dir, tmp_p
         torch.save(payload, target)
     manifest_path = os.path.join(path, "manifest.json")
     manifest = json.load(open(manifest_path))
-    manifest["files"]["actor/optimizer.pt"] = {"sha256": ckpt._sha256(target), "size": os.path.getsize(target)}
+    manifest["files"]["actor/optimizer.pt"] = {"sha256": sha256_file(target), "size": os.path.getsize(target)}
     json.dump(manifest, open(manifest_path, "w"))
     assert not os.path.exists(marker)
     fresh = make_trainer(trainer.run_dir, tiny_model_dir)

