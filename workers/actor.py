@@ -90,9 +90,7 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         """The mismatch of the rollout's log-probs against the proximal ones (forward's or the
         driver's old_log_probs) and, with algorithm.rollout_correction.mode set, the IS weights
         every policy loss multiplies (forward[rollout_is_weights])."""
-        options = getattr(self, "rollout_correction", None)
-        if options is None:  # a worker built without init_model (in-process tests, subclasses)
-            options = self.rollout_correction = rollout_correction_options(self.cfg.algorithm.rollout_correction)
+        options = self.rollout_correction
         if ROLLOUT_LOG_PROBS not in micro.keys():
             if options.enabled:
                 raise ValueError(f"actor rank {self.rank}: algorithm.rollout_correction.mode={options.mode} needs "
