@@ -239,6 +239,9 @@ class TrainerConfig:
     deterministic: bool = False
     replay_rollouts: str | None = None  # a folder of recorded rollouts to train on instead of generating
     record_rollouts: str | None = None  # a folder: each step's rollout batch is written to step_<N>.pt
+    # 0: each step trains on a rollout of its own weights. k >= 1: the rollouts of the next k steps
+    # are generated while this step trains (a batch is at most k updates older than the actor)
+    max_staleness: int = 0
     remote_timeout_s: float = 600.0  # every remote call and collective of a step
     startup_timeout_s: float = 900.0  # spawning workers and loading models (at least remote_timeout_s)
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
@@ -500,6 +503,7 @@ def validate_config(cfg: DictConfig) -> None:
     _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")
     _need(trainer.startup_timeout_s > 0, f"trainer.startup_timeout_s must be > 0, got {trainer.startup_timeout_s}")
     _need(trainer.max_to_keep >= 1, f"trainer.max_to_keep must be >= 1, got {trainer.max_to_keep}")
+    _need(trainer.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous), got {trainer.max_staleness}")
     if trainer.resume_mode not in ("auto", "disable"):
         _need(os.path.isdir(trainer.resume_mode),
               f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")

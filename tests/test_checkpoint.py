@@ -84,6 +84,7 @@ class InProcessTrainer(PPOTrainer):
     over in-process workers; the rollout sync is only counted."""
 
     def __init__(self, cfg, run_dir: str, model_path: str):
+        from controllers.rollout_source import RolloutQueue, RolloutSource
         from rlflow.algos import get_kl_controller
         from rlflow.data.dataset import StatefulDataLoader
 
@@ -94,6 +95,7 @@ class InProcessTrainer(PPOTrainer):
                        "critic": LocalGroup([_make_worker("critic", self.cfg, model_path)])}
         self.loader = StatefulDataLoader(list(range(40)), 4, shuffle=True, seed=3)
         self.kl_ctrl = get_kl_controller("adaptive", 0.05, 0.1, 100)
+        self.rollouts = RolloutQueue(RolloutSource(), 0, self.cfg.trainer.total_steps)  # nothing in flight
         self.synced = 0
 
     def sync_weights(self):

@@ -18,3 +18,19 @@ class CapturingTrainer(PPOTrainer):
         if step + 1 == self.cfg.trainer.total_steps:
             self.final_weights = self.gather_weights()
         return metrics
+
+
+class StepWeightsTrainer(CapturingTrainer):
+    """Also keeps the actor's weights after every step: self.actor_versions[k] is the actor after
+    k updates (index 0: before the first), as the rollout receives them at each sync."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config, **kwargs)
+        self.actor_versions: list[dict] = []
+
+    def train_step(self, step: int) -> dict:
+        if not self.actor_versions:
+            self.actor_versions.append(self.gather_weights()["actor"])
+        metrics = super().train_step(step)
+        self.actor_versions.append(self.final_weights["actor"] if self.final_weights else self.gather_weights()["actor"])
+        return metrics
