@@ -9,14 +9,18 @@ contract in DESIGN.md, not the micro-batch's own counts. The independent side ru
 (loaded separately with transformers, or a copy taken before any step) over the FULL input_ids, with
 no trimming of padding columns, and writes every policy loss, aggregation mode, KL estimator, the
 entropy bonus and the clipped value loss out by hand. Loss values, the gradient of every parameter
-and every metric the worker reports (value and declared aggregation) must agree.
+and every metric the worker reports (value and declared aggregation) must agree. The rollout
+correction (algorithm.rollout_correction, rlflow/algos/rollout_correction.py) is checked the same way:
+its importance weights and rollout_corr/* metrics are written out here from the micro-batch's
+rollout_log_probs and old_log_probs.
 
 Precision: workers/forward.py casts the logits / values to float32 (`logits.float()`), so even with a
 float64 model the worker computes log-softmax, entropy and all loss arithmetic in float32 (the
 gradient flows back through that cast into the float64 model). The comparison is therefore against
 float32 rounding, not float64: see RTOL_F32 below. The random inputs are kept at least KINK_MARGIN
-away from every branch point of the losses (clip bounds, dual-clip bound, |x| at 0, the k3 clamp), so
-float32 rounding cannot flip a branch and the two sides differ by rounding only.
+away from every branch point of the losses (clip bounds, dual-clip bound, |x| at 0, the k3 clamp, the
+rollout correction's cap and band, token by token and summed over a sequence), so float32 rounding
+cannot flip a branch and the two sides differ by rounding only.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from conftest import tiny_overrides
-from rlflow.algos import KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES
+from rlflow.algos import KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from rlflow.config import load_config, to_dataclass
 from rlflow.metrics import Aggregation
 from rlflow.protocol import BatchMeta
@@ -387,8 +391,10 @@ def kl_per_token(kl_type, log_prob, ref_log_prob):
 
 
 def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0, own_token_count=False,
-                   geo_clip=GEO_CLIP):
-    """(loss, gradients by parameter name, metric values) from the float64 reference model."""
+                   geo_clip=GEO_CLIP, is_weights=None):
+    """(loss, gradients by parameter name, metric values) from the float64 reference model.
+    is_weights: the rollout correction's per-token weights, [B, R], which multiply the policy loss
+    only (the counts of the aggregation and the policy statistics stay those of every valid token)."""
     model.zero_grad(set_to_none=True)
     mask = micro["response_mask"]
     log_prob, entropy = reference_log_probs_and_entropy(model, micro)
@@ -400,6 +406,8 @@ def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0,
         return aggregate(x, mask, mode, meta, own_token_count=own_token_count)
 
     pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask, geo_clip)
+    if is_weights is not None:
+        pg_tokens = pg_tokens * is_weights
     pg_loss = agg(pg_tokens)
     entropy_loss = agg(entropy)
     kl_loss = agg(kl_per_token(kl_type, log_prob, ref))
@@ -423,6 +431,7 @@ def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0,
 # ----------------------------------------------------------------------------------- comparison
 
 LOSS_METRICS = {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"}
+MAX_METRICS = {"rollout_corr/abs_diff_max"}  # the largest value over micro-batches and ranks
 
 
 def run_worker(worker, micro, meta: BatchMeta):
@@ -451,6 +460,8 @@ def compare(worker_out, expected, rtol=RTOL_F32):
         metric = metrics[key]
         if key in LOSS_METRICS:  # the #6957 rule: SUM of loss / dp_size under global metadata
             assert metric.aggregation is Aggregation.SUM, key
+        elif key in MAX_METRICS:
+            assert metric.aggregation is Aggregation.MAX, key
         else:  # per-token statistic: local mean weighted by the local token count
             assert metric.aggregation is Aggregation.MEAN and metric.weight == num_tokens, key
         assert metric.value == pytest.approx(expected_value, rel=rtol, abs=rtol * 1e-2), key
@@ -537,6 +548,146 @@ def test_the_actor_check_can_fail(tiny_model_dir, reference_lm, actor_batch):
         compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta, entropy_sign=-1.0))
     with pytest.raises(AssertionError):
         compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta, own_token_count=True))
+
+
+# --------------------------------------------------------------------------- rollout correction
+
+# Not the config's defaults (2, 0.5, 2): the worker must apply what algorithm.rollout_correction says.
+IS_CAP, IS_LOW, IS_HIGH = 1.8, 0.6, 1.7
+IS_KINKS = (math.log(IS_CAP), math.log(IS_LOW), math.log(IS_HIGH))  # in log-ratio space
+IS_LOG_RATIO_CLAMP = 20.0  # every d = old - rollout, and every sequence's sum of them
+FAR_OFF_POLICY = -25.0  # one token's d, beyond the clamp (see corrected_batch)
+CORRECTED_LOSSES = [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean")]
+
+
+@functools.lru_cache(maxsize=None)
+def correction_cfg(model_dir: str, correction: str):
+    """The base config with algorithm.rollout_correction set, through load_config (validated)."""
+    return to_dataclass(load_config(None, tiny_overrides(model_dir, **{
+        **BASE_OVERRIDES,
+        "algorithm.rollout_correction.mode": correction,
+        "algorithm.rollout_correction.cap": IS_CAP,
+        "algorithm.rollout_correction.low": IS_LOW,
+        "algorithm.rollout_correction.high": IS_HIGH,
+    })))
+
+
+def raw_rollout_log_ratio(micro) -> torch.Tensor:
+    """old - rollout on the float32 values the worker receives, unclamped."""
+    return micro["old_log_probs"].to(F64) - micro["rollout_log_probs"].to(F64)
+
+
+def rollout_log_ratio(micro) -> torch.Tensor:
+    """d = old - rollout clamped to [-20, 20], 0 outside the mask."""
+    d = torch.clamp(raw_rollout_log_ratio(micro), -IS_LOG_RATIO_CLAMP, IS_LOG_RATIO_CLAMP)
+    return torch.where(micro["response_mask"] != 0, d, torch.zeros_like(d))
+
+
+def sequence_log_ratio(d: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of d (the log of its product of token ratios), clamped, [B]; d is 0 outside
+    the mask."""
+    return torch.clamp(d.sum(-1), -IS_LOG_RATIO_CLAMP, IS_LOG_RATIO_CLAMP)
+
+
+@pytest.fixture(scope="module")
+def corrected_batch(actor_batch):
+    """actor_batch plus rollout_log_probs whose log-ratios to old_log_probs reach every branch of
+    every mode: tokens and sequences above the cap and under it, below, inside and above the band.
+    A copy: the workers of the other tests would report rollout_corr/* metrics for it."""
+    micro = actor_batch.clone()
+    mask = micro["response_mask"]
+    valid = mask != 0
+    gen = torch.Generator().manual_seed(2024)
+    offset = torch.randn(micro.batch_size[0], R, generator=gen, dtype=F64) * 0.5  # d, token by token
+    offset[1, 0] = 0.9  # the single-token row: above the cap and the band, as a token and as a sequence
+    offset[3, :2] = torch.tensor([0.3, -0.2], dtype=F64)  # a sequence inside the band, under the cap
+    # beyond the clamp, on the negative side: the k3 = e^d - 1 - d of the other tokens stays visible
+    # next to this token's 19 (d = +25 would give e^20). An engine's log-prob above 0 cannot happen,
+    # but nothing in the correction assumes it cannot.
+    offset[4, 3] = FAR_OFF_POLICY
+    offset = away_from(offset, IS_KINKS)
+    rollout = micro["old_log_probs"].to(F64) - offset
+    # padding junk: d = 3 - (-30) = 33 there, which any unmasked use would show
+    micro["rollout_log_probs"] = torch.where(valid, rollout, torch.full_like(rollout, -30.0)).float()
+
+    # the premises, on the float32 values the worker receives; if they fail, change the seed above
+    d = rollout_log_ratio(micro)
+    seq = sequence_log_ratio(d)
+    assert min_distance(d, mask, IS_KINKS) > KINK_MARGIN / 2, "a token's log-ratio sits on the cap or a band edge"
+    assert min_distance(seq, torch.ones_like(seq), IS_KINKS) > KINK_MARGIN / 2, \
+        "a sequence's log-ratio sits on the cap or a band edge"
+    assert int((raw_rollout_log_ratio(micro)[valid].abs() > IS_LOG_RATIO_CLAMP).sum()) == 1  # the clamp acts once
+    tokens = d[valid]
+    assert (tokens < math.log(IS_LOW)).any() and (tokens > math.log(IS_HIGH)).any(), "the band is left on both sides"
+    return micro
+
+
+def expected_rollout_correction(micro, correction: str):
+    """(weights [B, R], rollout_corr/* metric values) of one mode, by hand in float64. The weights
+    are 1 outside the mask; truncated: the cap lowered the weight; dropped: weight 0."""
+    mask = micro["response_mask"]
+    valid = mask != 0
+    d = rollout_log_ratio(micro)
+    token_ratio = torch.exp(d)
+    level, kind = correction.split("_")
+    if level == "token":
+        ratio = token_ratio
+    elif level == "seq":  # the row's product of token ratios, on each of its tokens
+        ratio = torch.exp(sequence_log_ratio(d)).unsqueeze(-1).expand_as(d)
+    else:
+        raise AssertionError(f"rollout correction {correction!r} has no independent formula in this test: add one")
+    if kind == "tis":  # min(ratio, cap)
+        truncated = ratio > IS_CAP
+        weights = torch.where(truncated, torch.full_like(ratio, IS_CAP), ratio)
+    elif kind == "mis":  # the ratio inside [low, high], else 0
+        truncated = torch.zeros_like(valid)
+        weights = torch.where((ratio >= IS_LOW) & (ratio <= IS_HIGH), ratio, torch.zeros_like(ratio))
+    else:
+        raise AssertionError(f"rollout correction {correction!r} has no independent formula in this test: add one")
+    weights = torch.where(valid, weights, torch.ones_like(weights))
+    # every statistic is over all valid tokens, the dropped ones included
+    metrics = {
+        "rollout_corr/log_ratio_mean": local_mean(d, mask),
+        "rollout_corr/k3_kl": local_mean(torch.exp(d) - 1.0 - d, mask),
+        "rollout_corr/abs_diff_max": float(d[valid].abs().max()),
+        # the band of the token ratio, whatever the mode
+        "rollout_corr/out_of_band_frac": local_mean(((token_ratio < IS_LOW) | (token_ratio > IS_HIGH)).to(F64), mask),
+        "rollout_corr/is_weight_mean": local_mean(weights, mask),
+        "rollout_corr/truncated_frac": local_mean((truncated & valid).to(F64), mask),
+        "rollout_corr/dropped_frac": local_mean((valid & (weights == 0)).to(F64), mask),
+    }
+    return weights, metrics
+
+
+def expected_corrected_actor(model, micro, name, mode, kl_type, meta, correction, *, apply_weights=True):
+    """expected_actor with the correction's weights on the policy loss and its metrics.
+    apply_weights=False: every weight 1, the metrics unchanged (a negative control)."""
+    weights, correction_metrics = expected_rollout_correction(micro, correction)
+    loss, grads, metrics, magnitude = expected_actor(model, micro, name, mode, kl_type, meta,
+                                                     is_weights=weights if apply_weights else None)
+    return loss, grads, {**metrics, **correction_metrics}, magnitude
+
+
+@pytest.mark.parametrize("correction", sorted(ROLLOUT_CORRECTIONS))
+@pytest.mark.parametrize("name, mode", CORRECTED_LOSSES)
+def test_actor_rollout_correction_matches_independent_float64(tiny_model_dir, reference_lm, corrected_batch,
+                                                              name, mode, correction):
+    cfg = correction_cfg(tiny_model_dir, correction)
+    worker = actor_worker(tiny_model_dir, cfg, policy_loss=name, loss_agg_mode=mode)
+    check_same_weights(worker.model, reference_lm)
+    kl_type = cfg.actor.kl_loss_type
+    for dp_size in (1, 2):
+        meta = meta_for(corrected_batch, dp_size)
+        expected = expected_corrected_actor(reference_lm, corrected_batch, name, mode, kl_type, meta, correction)
+        # the data reach both branches of the mode (for seq_*: some whole rows, not all)
+        lowered = "truncated_frac" if correction.endswith("_tis") else "dropped_frac"
+        assert 0 < expected[2][f"rollout_corr/{lowered}"] < 1, expected[2][f"rollout_corr/{lowered}"]
+        out = run_worker(worker, corrected_batch, meta)
+        compare(out, expected)
+    # the correction changed the loss: with every weight 1 the same comparison fails
+    with pytest.raises(AssertionError):
+        compare(out, expected_corrected_actor(reference_lm, corrected_batch, name, mode, kl_type, meta, correction,
+                                              apply_weights=False))
 
 
 # -------------------------------------------------------------------------------------- critic
