@@ -15,6 +15,9 @@ What it times, for the same tiny model, prompts, batch, sequence lengths and num
 3. TRL    GRPOTrainer (scripts/bench_trl.py, run with the TRL venv in a subprocess) against rlflow
           with algorithm.adv_estimator=grpo on the same work; skipped with a message when the TRL
           venv is absent.
+4. async  rlflow with trainer.max_staleness=1 (--async-staleness; 0 leaves it out): the next
+          step's rollout is generated while this step trains. Its row of the x1 PPO and the GRPO
+          tables is compared with the synchronous default ("asynchronous rollout" section).
 
 Bare, rlflow and TRL steps are *interleaved* (one step of each in turn), so a machine whose load
 changes while the script runs slows all of them alike; seconds/step is the median of the steps
@@ -546,6 +549,8 @@ def main() -> int:
     p.add_argument("--variant", action="append", default=[],
                    help="an extra rlflow run, interleaved with the others in the x1 PPO and the GRPO rows: "
                         "comma-separated overrides, e.g. rollout.dp_size=2 (repeatable)")
+    p.add_argument("--async-staleness", type=int, default=1,
+                   help="add the run trainer.max_staleness=K to the x1 PPO and the GRPO rows (0: none)")
     p.add_argument("--quick", action="store_true", help="--steps 5 --warmup 1 --scales 1 --no-trl")
     p.add_argument("--json", default=None, help="also write all measurements here")
     args = p.parse_args()
@@ -558,6 +563,8 @@ def main() -> int:
     scales = [int(s) for s in args.scales.split(",") if s]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     extra = dict(kv.split("=", 1) for kv in args.extra)
+    if args.async_staleness > 0:
+        args.variant.insert(0, f"trainer.max_staleness={args.async_staleness}")
 
     results: dict = {"args": vars(args), "cpu_count": os.cpu_count(), "torch_threads_driver": torch.get_num_threads(),
                      "worker_threads_env": os.environ.get("RLFLOW_WORKER_THREADS"), "rows": []}
@@ -719,6 +726,8 @@ def report(results: dict, args) -> str:
                 continue
             if name == "bare":
                 over = med([{"o": x["step"] - sum(x[k] for k in phases if k in x)} for x in recs], "o")
+            elif _is_async(name):
+                over = float("nan")  # generation overlaps the other phases: no sum of them is the critical path
             else:
                 over = med(recs, "overhead")
             add(f"| {row['algo']} x{row['scale']} {name} | " + " | ".join(fmt(med(recs, k)) for k in phases)
@@ -726,12 +735,44 @@ def report(results: dict, args) -> str:
     add("")
     add("bare: the phases run one after another. rlflow: old_log_prob/values(/ref) run concurrently, and so do "
         "update_actor/update_critic; overhead = step - (gen + reward + max(forwards) + adv + max(updates) + sync), "
-        "i.e. Ray dispatch, (de)serialisation, object-store copies, driver-side batch handling and waiting.")
+        "i.e. Ray dispatch, (de)serialisation, object-store copies, driver-side batch handling and waiting. "
+        "Asynchronous runs: gen is the next step's generation, which overlaps this step's other phases (no overhead "
+        "is derived).")
     add("driver-side phase walls of rlflow (timing/*), median s: " + "; ".join(
         f"{row['algo']} x{row['scale']}: " + ", ".join(f"{k[6:]} {fmt(med(row['records']['rlflow'], k))}"
                                                        for k in ("phase_gen", "phase_forward", "phase_update", "phase_sync"))
         for row in results["rows"]))
+    async_lines = []
+    for row in results["rows"]:
+        r = row["records"]
+        sync = med(r.get("rlflow", []), "step")
+        for name in rlflow_names(r):
+            if not _is_async(name):
+                continue
+            line = (f"- {row['algo']} x{row['scale']} {name[7:-1]}: {fmt(sync / med(r[name], 'step'), 2)}x the synchronous "
+                    f"default's steps/s ({fmt(med(r[name], 'step'))} vs {fmt(sync)} s/step)")
+            sync_twin = f"rlflow[{_without_staleness(name[7:-1])}]"
+            if sync_twin in r:
+                line += (f", {fmt(med(r[sync_twin], 'step') / med(r[name], 'step'), 2)}x its synchronous twin "
+                         f"{sync_twin[7:-1]} ({fmt(med(r[sync_twin], 'step'))} s/step)")
+            if r.get("trl"):
+                line += (f"; {fmt(tokens_per_s(r[name]) / tokens_per_s(r['trl']), 2)}x TRL's response tokens/s "
+                         f"({fmt(tokens_per_s(r[name]), 0)} vs {fmt(tokens_per_s(r['trl']), 0)})")
+            async_lines.append(line)
+    if async_lines:
+        add("")
+        add("## asynchronous rollout (ratios from this run)")
+        lines.extend(async_lines)
     return "\n".join(lines)
+
+
+def _is_async(name: str) -> bool:
+    return any(kv.startswith("trainer.max_staleness=") and kv.split("=", 1)[1] != "0"
+               for kv in name[7:-1].split(","))
+
+
+def _without_staleness(spec: str) -> str:
+    return ",".join(kv for kv in spec.split(",") if not kv.startswith("trainer.max_staleness="))
 
 
 if __name__ == "__main__":
