@@ -6,7 +6,8 @@ model, the reverse task, PPO with a critic, 40 steps) or that run with --extra o
     .venv/bin/python scripts/async_curves.py                          # seeds 0 1 2, staleness 0 and 1
     .venv/bin/python scripts/async_curves.py --extra algorithm.adv_estimator=grpo --out docs/async_curves_grpo.png
 
-Prints, per run, the validation accuracy at each evaluation and the run's wall time, then whether
+Prints, per run, the validation accuracy at each evaluation (@ training seconds so far) and the
+run's wall time, then whether
 the final accuracy of each staleness lies within the seeds' spread (min..max) of the synchronous
 runs; draws every run (thin) and each staleness's mean (thick) to a PNG.
 """
@@ -23,7 +24,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(seed: int, staleness: int, extra: list[str], out_dir: str) -> tuple[list[tuple[int, float]], float]:
+def run(seed: int, staleness: int, extra: list[str], out_dir: str) -> tuple[list[tuple[int, float, float]], float]:
+    """[(step, validation accuracy, training seconds so far: the sum of timing/step)], wall seconds."""
     from rlflow import RLFlow, load_config
 
     overrides = [f"trainer.seed={seed}", f"trainer.max_staleness={staleness}", "trainer.logger=[jsonl]",
@@ -32,31 +34,43 @@ def run(seed: int, staleness: int, extra: list[str], out_dir: str) -> tuple[list
     start = time.perf_counter()
     history = RLFlow(load_config(None, overrides)).fit()
     wall = time.perf_counter() - start
-    return [(h["step"], h["val/acc_mean"]) for h in history if "val/acc_mean" in h], wall
+    points, train_s = [], 0.0
+    for record in history:
+        train_s += record.get("timing/step", 0.0)
+        if "val/acc_mean" in record:
+            points.append((record["step"], record["val/acc_mean"], train_s))
+    return points, wall
 
 
-def plot(curves: dict[tuple[int, int], list[tuple[int, float]]], path: str, title: str) -> None:
+def plot(curves: dict[tuple[int, int], list[tuple[int, float, float]]], path: str, title: str) -> None:
+    """Left: accuracy by step; right: by training seconds (sum of timing/step: validation and
+    worker start-up excluded)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.0))
+    fig = Figure(figsize=(10.0, 4.0))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    by_step, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2, sharey=None)
     colors = {0: "tab:blue", 1: "tab:orange", 2: "tab:green", 3: "tab:red"}
     for staleness in sorted({k for _, k in curves}):
         runs = [points for (seed, k), points in sorted(curves.items()) if k == staleness]
         color = colors.get(staleness, "black")
         for points in runs:
-            ax.plot([s for s, _ in points], [a for _, a in points], color=color, alpha=0.35, linewidth=0.8)
-        steps = [s for s, _ in runs[0]]
-        mean = [statistics.fmean(points[i][1] for points in runs) for i in range(len(steps))]
+            by_step.plot([p[0] for p in points], [p[1] for p in points], color=color, alpha=0.35, linewidth=0.8)
+            by_time.plot([p[2] for p in points], [p[1] for p in points], color=color, alpha=0.35, linewidth=0.8)
+        columns = list(zip(*runs))  # one tuple of runs' points per evaluation
+        mean = [statistics.fmean(p[1] for p in column) for column in columns]
+        seconds = [statistics.fmean(p[2] for p in column) for column in columns]
         label = "synchronous" if staleness == 0 else f"max_staleness={staleness}"
-        ax.plot(steps, mean, color=color, linewidth=2.2, label=f"{label} (mean of {len(runs)} seeds)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation accuracy (greedy)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+        by_step.plot([p[0] for p in runs[0]], mean, color=color, linewidth=2.2, label=f"{label} (mean of {len(runs)} seeds)")
+        by_time.plot(seconds, mean, color=color, linewidth=2.2, label=label)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("training seconds (sum of timing/step)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("validation accuracy (greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -76,21 +90,22 @@ def main() -> int:
         for seed in args.seeds:
             for staleness in args.staleness:
                 curves[(seed, staleness)], walls[(seed, staleness)] = run(seed, staleness, args.extra, tmp)
-                points = " ".join(f"{s}:{a:.3f}" for s, a in curves[(seed, staleness)])
+                points = " ".join(f"{s}:{a:.3f}@{t:.0f}s" for s, a, t in curves[(seed, staleness)])
                 print(f"seed {seed} max_staleness {staleness}: wall {walls[(seed, staleness)]:.1f} s  val acc {points}",
                       flush=True)
 
     finals = {key: points[-1][1] for key, points in curves.items()}
     sync = [finals[(seed, 0)] for seed in args.seeds]
     low, high = min(sync), max(sync)
-    print("\n| max_staleness | final val acc per seed | mean | wall s per run (mean) | within the sync spread |")
-    print("|---|---|---|---|---|")
+    print("\n| max_staleness | final val acc per seed | mean | training s (mean) | wall s per run (mean) | within the sync spread |")
+    print("|---|---|---|---|---|---|")
     for staleness in args.staleness:
         values = [finals[(seed, staleness)] for seed in args.seeds]
         mean = statistics.fmean(values)
         wall = statistics.fmean(walls[(seed, staleness)] for seed in args.seeds)
+        train_s = statistics.fmean(curves[(seed, staleness)][-1][2] for seed in args.seeds)
         verdict = "(reference)" if staleness == 0 else ("yes" if low <= mean <= high else f"no: {mean:.3f} vs {low:.3f}..{high:.3f}")
-        print(f"| {staleness} | {' / '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | {wall:.1f} | {verdict} |")
+        print(f"| {staleness} | {' / '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | {train_s:.1f} | {wall:.1f} | {verdict} |")
     title = "default run (tiny model, reverse task, 40 steps)" + (f": {' '.join(args.extra)}" if args.extra else ": PPO + critic")
     plot(curves, args.out, title)
     print(f"\nwrote {args.out}")

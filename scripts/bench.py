@@ -354,6 +354,7 @@ def _timed_worker(cls, methods):
 
     attrs = {name: make(name) for name in methods}
     attrs["bench_times"] = lambda self: self.__dict__.pop("_bench_times", [])
+    attrs["bench_pid"] = lambda self: os.getpid()
     return type(cls.__name__, (cls,), attrs)  # defined in __main__: Ray ships it by value
 
 
@@ -375,6 +376,13 @@ class RLFlowRun:
         self.trainer.setup()
         self.setup_s = time.perf_counter() - start
         self.last_metrics: dict = {}
+        import ray
+
+        self.pids = {f"{role}.{rank}": ray.get(worker.bench_pid.remote())
+                     for role, group in self.trainer.groups.items() for rank, worker in enumerate(group.workers)}
+
+    def peak_rss(self) -> dict[str, float]:
+        return {name: peak_rss_mib(pid) for name, pid in self.pids.items()}
 
     def step(self, step: int) -> dict[str, float]:
         import ray
@@ -458,7 +466,11 @@ class TRLRun:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
         msg = self._expect("STEP")
+        self.rss_mib = peak_rss_mib(self.proc.pid)  # now: after its last step the process exits
         return {"step": float(msg["seconds"]), "response_tokens": float(msg.get("response_tokens", float("nan")))}
+
+    def peak_rss(self) -> dict[str, float]:
+        return {"trl": getattr(self, "rss_mib", float("nan"))}
 
     def shutdown(self) -> None:
         try:
@@ -499,6 +511,42 @@ def med(records: list[dict], key: str) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (VmHWM), MiB; NaN when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def peak_rss_of(runs: dict) -> dict[str, dict[str, float]]:
+    """{run: {process: peak RSS MiB}} of every run that has its own processes, read while they are
+    alive, plus this process (the bare loop and every rlflow driver)."""
+    out = {name: run.peak_rss() for name, run in runs.items() if hasattr(run, "peak_rss")}
+    out["bench process (bare loop + rlflow drivers)"] = {"main": peak_rss_mib(os.getpid())}
+    return out
+
+
+def count_parameters(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                for key in f.keys():
+                    shape = f.get_slice(key).get_shape()
+                    count = 1
+                    for dim in shape:
+                        count *= dim
+                    total += count
+    return total
+
+
 def run_interleaved(runs: dict, warmup: int, steps: int, log) -> dict[str, list[dict]]:
     """One step of each run in turn; the first `warmup` steps of each are dropped."""
     out: dict[str, list[dict]] = {name: [] for name in runs}
@@ -537,7 +585,8 @@ def main() -> int:
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--model", default="tiny",
                    help="a model folder; 'tiny' (default): the config default, rlflow.tiny.warm_start of the default "
-                        "synthetic task (built once, cached); 'random': a fresh rlflow.tiny.build_tiny_model")
+                        "synthetic task (built once, cached); 'random': a fresh rlflow.tiny.build_tiny_model; an alias "
+                        "of rlflow.models (smollm2-135m: converted once into the cache, `rlflow convert smollm2`)")
     p.add_argument("--worker-threads", type=int, default=None,
                    help="set RLFLOW_WORKER_THREADS for the workers (default: leave the environment as it is)")
     p.add_argument("--bare-threads", type=int, default=None,
@@ -571,13 +620,18 @@ def main() -> int:
     with LoadSampler() as load, tempfile.TemporaryDirectory() as tmp:
         from rlflow.tiny import build_tiny_model, warm_start
 
+        from rlflow.models import MODEL_ALIASES, resolve_alias
+
         if args.model == "tiny":
             model_dir = warm_start()
         elif args.model == "random":
             model_dir = build_tiny_model(os.path.join(tmp, "tiny"))
+        elif args.model in MODEL_ALIASES:
+            model_dir = resolve_alias(args.model)
         else:
             model_dir = args.model
         results["model"] = model_dir
+        results["num_parameters"] = count_parameters(model_dir)
 
         # -- Ray, started once, before any timing -----------------------------------------------------
         from controllers.cluster import ensure_ray
@@ -602,10 +656,12 @@ def main() -> int:
                 if scale == 1:
                     runs.update(start_variants(args.variant, ov))
                 rec = run_interleaved(runs, args.warmup, args.steps, log)
+                rss = peak_rss_of(runs)
             finally:
                 shutdown_rlflow_runs(runs)
             results["rows"].append({"algo": "ppo", "scale": scale, "prompts": batch, "sequences": batch * args.n,
-                                    "worker_start_s": rl.setup_s, "load": load.summary(mark), "records": rec})
+                                    "worker_start_s": rl.setup_s, "load": load.summary(mark), "records": rec,
+                                    "peak_rss_mib": rss})
 
         # -- GRPO: TRL vs rlflow (and the bare loop), on the same work -----------------------------------
         if args.only == "ppo":
@@ -641,6 +697,7 @@ def main() -> int:
             runs["bare"] = BareLoop(rl.trainer.cfg, model_dir, rl.trainer.train_dataset)
             log(f"GRPO ({args.batch} prompts x {args.n}): rlflow worker start {rl.setup_s:.1f}s")
             rec = run_interleaved(runs, args.warmup, args.steps, log)
+            rss = peak_rss_of(runs)
         finally:
             shutdown_rlflow_runs({**runs, "rlflow": rl})  # rl is not in runs yet if TRL failed to start
             if trl is not None:
@@ -648,7 +705,7 @@ def main() -> int:
         results["rows"].append({"algo": "grpo", "scale": 1, "prompts": args.batch, "sequences": seqs,
                                 "worker_start_s": rl.setup_s, "trl_start_s": trl.setup_s if trl else None,
                                 "trl_versions": trl.versions if trl else None, "trl_note": trl_note,
-                                "load": load.summary(mark), "records": rec})
+                                "load": load.summary(mark), "records": rec, "peak_rss_mib": rss})
         results["load_all"] = load.summary()
     return finish(results, args)
 
@@ -668,7 +725,8 @@ def report(results: dict, args) -> str:
     lines = []
     add = lines.append
     wt = results["worker_threads_env"]
-    add(f"# rlflow benchmark  (tiny Qwen2 ~0.9M params, {args.n} responses/prompt, prompt <= {args.prompt_len}, "
+    add(f"# rlflow benchmark  ({args.model}: {results['num_parameters'] / 1e6:.1f}M parameters, {args.n} responses/prompt, "
+        f"prompt <= {args.prompt_len}, "
         f"response <= {args.response_len} tokens, mini-batch {args.mini}, micro-batch {args.micro})")
     add(f"cpus {results['cpu_count']}, driver torch threads {results['torch_threads_driver']}, "
         f"RLFLOW_WORKER_THREADS={wt if wt is not None else 'unset (rlflow default: cores // worker processes)'}; "
@@ -742,6 +800,14 @@ def report(results: dict, args) -> str:
         f"{row['algo']} x{row['scale']}: " + ", ".join(f"{k[6:]} {fmt(med(row['records']['rlflow'], k))}"
                                                        for k in ("phase_gen", "phase_forward", "phase_update", "phase_sync"))
         for row in results["rows"]))
+    add("weight sync as a share of the step (the sync phase inside the workers / step): " + "; ".join(
+        f"{row['algo']} x{row['scale']} {name}: {100 * med(row['records'][name], 'sync') / med(row['records'][name], 'step'):.1f}%"
+        for row in results["rows"] for name in rlflow_names(row["records"])))
+    add("")
+    add("## peak resident memory per process (VmHWM, MiB)")
+    for row in results["rows"]:
+        for run, procs in (row.get("peak_rss_mib") or {}).items():
+            add(f"- {row['algo']} x{row['scale']} {run}: " + ", ".join(f"{proc} {mib:.0f}" for proc, mib in procs.items()))
     async_lines = []
     for row in results["rows"]:
         r = row["records"]
