@@ -496,27 +496,52 @@ class PPOTrainer:
 
     # -- validation ---------------------------------------------------------------------------------
     def validate(self) -> dict:
+        """Scores rollout.val_n responses per validation prompt (sampled at rollout.val_temperature
+        when rollout.val_do_sample, greedy otherwise) with the fixed seed 0: the val_n draws of a
+        prompt differ, and a run repeats them. val/score_mean, val/acc_mean and
+        val/response_length_mean average over all samples; val_n > 1 adds val/pass@k (k = 1, the
+        powers of 2 below val_n, val_n; Chen et al.'s unbiased estimator, rlflow/algos/pass_at_k.py:
+        a sample passes when its acc == 1, or its score > 0 where the reward reports no acc) and
+        val/mean@{val_n} (the prompts' mean score over their samples, averaged over prompts)."""
         from rlflow.data.dataset import ROW_DATA_KEYS, collate, get_row_data
 
         cfg = self.cfg
+        n = cfg.rollout.val_n
         items = list(self.val_dataset)
-        scores, accs, lengths = [], [], []
+        scores, accs, lengths, passed = [], [], [], []
         for start in range(0, len(items), cfg.data.val_batch_size):
             chunk = collate(items[start : start + cfg.data.val_batch_size], self.val_dataset.pad_token_id)
             rows = {key: get_row_data(chunk, key) for key in ROW_DATA_KEYS}
             prompts = chunk.select("input_ids", "attention_mask", "position_ids")
             pad = (-prompts.batch_size[0]) % cfg.rollout.dp_size
-            out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), 1, cfg.rollout.val_do_sample, 0,
+            out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), n, cfg.rollout.val_do_sample, 0,
                                                      False, cfg.rollout.val_temperature)
-            out = out[: prompts.batch_size[0]]
+            out = out[: prompts.batch_size[0] * n]  # row r answers prompt r // n
+            if n > 1:
+                rows = {key: [v for v in vals for _ in range(n)] for key, vals in rows.items()}
             token_scores, extras = self.score(out, rows)
-            scores.extend(token_scores.sum(-1).tolist())
+            chunk_scores = token_scores.sum(-1).tolist()
+            scores.extend(chunk_scores)
             accs.extend(extras.get("acc", []))
             lengths.extend(out["response_mask"].sum(-1).tolist())
+            if n > 1:
+                passed.extend(self._val_passes(chunk_scores, extras.get("acc")))
         metrics = {"val/score_mean": sum(scores) / len(scores), "val/response_length_mean": sum(lengths) / len(lengths)}
         if accs:
             metrics["val/acc_mean"] = sum(accs) / len(accs)
+        if n > 1:
+            from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics
+
+            metrics.update(pass_at_k_metrics(group_samples(passed, n), group_samples(scores, n), prefix="val/"))
         return metrics
+
+    @staticmethod
+    def _val_passes(scores: list[float], accs: list[float] | None) -> list[bool]:
+        """Which validation samples pass (for pass@k): acc == 1 where the reward reports acc, else score > 0."""
+        from rlflow.algos.pass_at_k import sample_passes
+
+        accs = accs if accs else [None] * len(scores)
+        return [sample_passes(score, acc) for score, acc in zip(scores, accs, strict=True)]
 
     # -- checkpoints (controllers/checkpoint.py saves the trained roles and this driver state) -----
     def driver_state(self) -> dict:

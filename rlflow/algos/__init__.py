@@ -1,5 +1,5 @@
 """Pure torch RL algorithms: loss aggregation, loss terms (policy/value/entropy/KL), KL, advantages,
-the rollout correction (mismatch metrics, truncated/masked importance weights).
+the rollout correction (mismatch metrics, truncated/masked importance weights), pass@k.
 
 Imports torch and the standard library only (no ray, transformers or omegaconf), so the driver and
 tests can use it without paying for the heavy stacks.
@@ -67,6 +67,15 @@ from .losses import (
     value_loss_term,
 )
 from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from .pass_at_k import (
+    group_samples,
+    mean_at_k,
+    pass_at_k,
+    pass_at_k_ks,
+    pass_at_k_metrics,
+    pass_at_k_per_prompt,
+    sample_passes,
+)
 from .rollout_correction import (
     ROLLOUT_CORRECTIONS,
     ROLLOUT_LOG_PROBS,
@@ -155,6 +164,13 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "group_samples",
+    "mean_at_k",
+    "pass_at_k",
+    "pass_at_k_ks",
+    "pass_at_k_metrics",
+    "pass_at_k_per_prompt",
+    "sample_passes",
     "ROLLOUT_CORRECTIONS",
     "ROLLOUT_LOG_PROBS",
     "RolloutCorrectionOptions",
