@@ -1,0 +1,209 @@
+"""The CLI reports a user error as one line `rlflow: error: ...` with exit status 2 and no
+traceback; `--traceback` / RLFLOW_TRACEBACK=1 shows it; anything else keeps its traceback (exit 1).
+
+Each case runs the real entry point (`python -m rlflow.cli`, what the `rlflow` script calls) in a
+subprocess, and every error must come before Ray starts (quickly, no Ray session)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlflow.cli import error_line, is_user_error
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMIT_S = 60  # a user error is reported before any worker or Ray starts
+
+
+def _rlflow(*args: str, env: dict | None = None, code: str | None = None) -> subprocess.CompletedProcess:
+    run_env = {k: v for k, v in os.environ.items() if k not in ("RLFLOW_TRACEBACK", "RAY_ADDRESS")}
+    run_env.update(env or {})
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "rlflow.cli", *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=LIMIT_S)
+    proc.elapsed = time.monotonic() - start
+    return proc
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Ray instance" not in proc.stdout + proc.stderr  # reported before Ray starts
+    assert proc.elapsed < LIMIT_S
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("rlflow: error: ") and line.strip() != "rlflow: error:"
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+def _assert_traceback(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("rlflow: error: ")
+    for needle in needles:
+        assert needle in last, last
+    assert "Ray instance" not in proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def train_args(tiny_model_dir):
+    """`rlflow train` settings that reach the model, data and reward checks quickly."""
+    return [f"actor.model.path={tiny_model_dir}", "trainer.total_steps=1", "trainer.logger=[console]"]
+
+
+@pytest.fixture
+def reward_files(tmp_path):
+    syntax = tmp_path / "broken_reward.py"
+    syntax.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None)\n    return 1.0\n")
+    other_name = tmp_path / "other_reward.py"
+    other_name.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    return {"missing": tmp_path / "no_such_reward.py", "syntax": syntax, "other_name": other_name}
+
+
+# ---------------------------------------------------------------------------------------------
+# config errors (`rlflow config` runs the same load_config as `rlflow train`)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_unknown_key_names_it_and_suggests_the_close_one():
+    line = _assert_one_line_error(_rlflow("config", "actor.ppo_mini_batch_sizee=4"), "actor.ppo_mini_batch_sizee")
+    assert "did you mean 'actor.ppo_mini_batch_size'" in line
+
+
+def test_config_missing_yaml_file(tmp_path):
+    missing = str(tmp_path / "no_such_recipe.yaml")
+    _assert_one_line_error(_rlflow("config", missing), missing)
+
+
+def test_config_impossible_batch_algebra():
+    proc = _rlflow("config", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=3")
+    _assert_one_line_error(proc, "actor.ppo_mini_batch_size=3", "data.train_batch_size * rollout.n")
+
+
+def test_config_multi_line_yaml_error_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  ppo_epochs: [1\n")  # a yaml syntax error: its message spans lines
+    _assert_one_line_error(_rlflow("config", str(bad)), str(bad))
+
+
+def test_config_traceback_flag_and_env_var_show_the_traceback():
+    _assert_traceback(_rlflow("--traceback", "config", "actor.ppo_mini_batch_sizee=4"), "actor.ppo_mini_batch_sizee")
+    _assert_traceback(_rlflow("config", "actor.ppo_mini_batch_sizee=4", env={"RLFLOW_TRACEBACK": "1"}),
+                      "actor.ppo_mini_batch_sizee")
+
+
+def test_argparse_usage_error_keeps_its_format():
+    proc = _rlflow("no-such-command")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("rlflow: error: ")
+    proc = _rlflow("convert", "no-such-model")  # a subcommand's usage error: argparse names it
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("rlflow convert: error: ")
+
+
+# ---------------------------------------------------------------------------------------------
+# `rlflow train`
+# ---------------------------------------------------------------------------------------------
+
+
+def test_train_unknown_key():
+    line = _assert_one_line_error(_rlflow("train", "actor.ppo_mini_batch_sizee=4"), "actor.ppo_mini_batch_sizee")
+    assert "did you mean 'actor.ppo_mini_batch_size'" in line
+    _assert_traceback(_rlflow("train", "actor.ppo_mini_batch_sizee=4", "--traceback"), "actor.ppo_mini_batch_sizee")
+
+
+def test_train_missing_yaml_file(tmp_path):
+    missing = str(tmp_path / "no_such_recipe.yaml")
+    _assert_one_line_error(_rlflow("train", missing), missing)
+
+
+def test_train_impossible_batch_algebra():
+    proc = _rlflow("train", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=3")
+    _assert_one_line_error(proc, "actor.ppo_mini_batch_size=3")
+
+
+def test_train_reward_file_missing(train_args, reward_files):
+    path = str(reward_files["missing"])
+    line = _assert_one_line_error(_rlflow("train", *train_args, f"reward.custom_function.path={path}"), path)
+    assert "not found" in line
+
+
+def test_train_reward_file_syntax_error(train_args, reward_files):
+    path = str(reward_files["syntax"])
+    line = _assert_one_line_error(_rlflow("train", *train_args, f"reward.custom_function.path={path}"), path)
+    assert "SyntaxError" in line
+
+
+def test_train_reward_function_name_missing(train_args, reward_files):
+    path = str(reward_files["other_name"])
+    proc = _rlflow("train", *train_args, f"reward.custom_function.path={path}", "reward.custom_function.name=score_fn")
+    line = _assert_one_line_error(proc, path, "score_fn")
+    assert "my_score" in line  # the callables the file does define
+
+
+def test_train_reward_error_traceback_with_env_var(train_args, reward_files):
+    path = str(reward_files["syntax"])
+    proc = _rlflow("train", *train_args, f"reward.custom_function.path={path}", env={"RLFLOW_TRACEBACK": "1"})
+    _assert_traceback(proc, path)
+    assert "load_custom_reward_fn" in proc.stderr
+
+
+def test_train_missing_data_file(train_args, tmp_path):
+    missing = str(tmp_path / "no_such_train.parquet")
+    _assert_one_line_error(_rlflow("train", *train_args, f"data.train_files=[{missing}]"), missing)
+
+
+def test_train_missing_model_folder(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    _assert_one_line_error(_rlflow("train", f"actor.model.path={missing}"), missing)
+
+
+# ---------------------------------------------------------------------------------------------
+# not user errors: the traceback stays
+# ---------------------------------------------------------------------------------------------
+
+
+def test_internal_error_keeps_its_traceback_and_exit_status_1():
+    code = ("import sys, rlflow.config as c\n"
+            "def broken(*a, **k):\n    raise KeyError('internal')\n"
+            "c.load_config = broken\n"
+            "from rlflow.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    proc = _rlflow("config", code=code)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "KeyError: 'internal'" in proc.stderr
+    assert "rlflow: error:" not in proc.stderr
+
+
+def test_rule_by_type_and_by_whether_ray_started():
+    from rlflow.config import ConfigError
+
+    assert is_user_error(ConfigError("x"), ray_started=False)
+    assert is_user_error(ConfigError("x"), ray_started=True)
+    for err in (ValueError("x"), FileNotFoundError("x")):
+        assert is_user_error(err, ray_started=False)
+        assert not is_user_error(err, ray_started=True)  # may be a bug once the run is under way
+    for err in (RuntimeError("x"), KeyError("x"), AttributeError("x"), TypeError("x"), ZeroDivisionError()):
+        assert not is_user_error(err, ray_started=False)
+
+
+def test_reward_loader_errors_count_whatever_their_type(reward_files):
+    from rlflow.rewards import load_custom_reward_fn
+
+    with pytest.raises(AttributeError) as info:
+        load_custom_reward_fn(reward_files["other_name"], "score_fn")
+    assert is_user_error(info.value, ray_started=True)
+    assert not is_user_error(AttributeError("score_fn"), ray_started=False)  # not raised by the loader
+
+
+def test_error_line_is_one_line():
+    assert error_line(ValueError("first\n  second\n\nthird")) == "rlflow: error: first second third"
+    assert error_line(KeyError("a key")) == "rlflow: error: a key"
+    assert error_line(ValueError()) == "rlflow: error: ValueError"
