@@ -175,9 +175,19 @@ class PPOTrainer:
         from controllers.rollout_source import Scorer
         from rlflow.rewards import RewardManager, compute_score, load_custom_reward_fn
 
-        custom = self.cfg.reward.custom_function
+        reward = self.cfg.reward
+        custom = reward.custom_function
+        # loaded here too, before Ray starts: a missing file, an import error or a missing function
+        # stops the run at once, with the same error whether or not a pool scores
         fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else compute_score
-        self.score = Scorer(self.tokenizer, RewardManager(fn, on_error=self.cfg.reward.on_error))
+        if reward.num_workers > 0:  # the processes start on the first batch, once Ray runs
+            from rlflow.rewards.pool import RewardPool
+
+            self.reward_manager = RewardPool(custom.path, custom.name, reward.num_workers, reward.timeout_s,
+                                             reward.on_error, startup_timeout_s=self.cfg.trainer.startup_timeout_s)
+        else:
+            self.reward_manager = RewardManager(fn, on_error=reward.on_error)
+        self.score = Scorer(self.tokenizer, self.reward_manager)
 
     def _setup_workers(self) -> None:
         from controllers.worker_group import RayWorkerGroup, ResourcePool
@@ -578,6 +588,8 @@ class PPOTrainer:
         save(self, step)
 
     def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.reward_manager.close()  # the reward pool's processes
         for group in self.groups.values():
             with contextlib.suppress(Exception):
                 group.kill()

@@ -41,8 +41,9 @@ class Rollout:
 
 
 class Scorer:
-    """Decodes responses and scores them with the reward function; the score goes on the last
-    valid response token."""
+    """Decodes responses and scores them with the reward manager (rlflow.rewards: a RewardPool of
+    Ray processes, or a RewardManager in the driver when reward.num_workers=0); the score goes on
+    the last valid response token."""
 
     def __init__(self, tokenizer, reward_manager):
         self.tokenizer = tokenizer

@@ -171,7 +171,14 @@ class CustomRewardConfig:
 @dataclass
 class RewardConfig:
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
-    on_error: str = "raise"  # raise | zero
+    # raise | zero: a sample whose function raises, returns NaN/inf, runs past timeout_s or kills its
+    # process stops the run (naming it), or scores 0 and is counted in reward/num_errors
+    on_error: str = "raise"
+    # the reward function runs in this many Ray processes (rlflow/rewards/pool.py); 0: in the driver,
+    # one sample after the other, without timeout_s
+    num_workers: int = 2
+    # seconds a sample may run, from when its process begins it; then the process is killed and replaced
+    timeout_s: float = 30.0
 
 
 @dataclass
@@ -504,6 +511,10 @@ def validate_config(cfg: DictConfig) -> None:
     for name in trainer.logger:
         _need(name in LOGGERS, f"trainer.logger: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
     _need(cfg.reward.on_error in ("raise", "zero"), f"reward.on_error={cfg.reward.on_error!r} is not one of raise, zero")
+    _need(cfg.reward.num_workers >= 0,
+          f"reward.num_workers must be >= 0 (0: score in the driver process), got {cfg.reward.num_workers}")
+    _need(0 < cfg.reward.timeout_s < float("inf"),
+          f"reward.timeout_s must be a number of seconds > 0, got {cfg.reward.timeout_s}")
     _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
     _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
     _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")

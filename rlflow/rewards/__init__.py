@@ -5,25 +5,36 @@ A reward function has verl's signature::
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
 A dict result must hold a numeric "score" (the reward); its other numeric entries are reported
-as extra metrics (e.g. {"score": 0.5, "acc": 0.0}).
+as extra metrics (e.g. {"score": 0.5, "acc": 0.0}). An ``async def`` function (or one returning an
+awaitable) is awaited.
+
+``RewardManager`` scores a batch in the calling process; ``rlflow.rewards.pool.RewardPool`` (the
+trainer's default, ``reward.num_workers``) in a pool of Ray processes with a per-sample timeout.
+Both turn each sample into an ``Outcome`` with ``evaluate`` and the outcomes into scores with the
+same ``RewardManager.assemble``, so they give the same scores, extras and errors.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import logging
 import math
 import numbers
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "compute_score",
+    "evaluate",
     "known_data_sources",
     "load_custom_reward_fn",
+    "Outcome",
     "RewardError",
     "RewardManager",
 ]
@@ -112,8 +123,75 @@ def _as_number(value: Any) -> float | None:
     return None
 
 
+@dataclass
+class Outcome:
+    """One sample's result before the batch's error policy. kind:
+    "ok"      the function returned ``score`` (maybe NaN/inf: an error when assembled) and ``extras``;
+    "raised"  the function raised ``exc``;
+    "bad"     the result has the wrong type: always an error (a bug in the function, not a bad sample);
+    "timeout" it ran past reward.timeout_s and was stopped (RewardPool);
+    "died"    its process died (RewardPool).
+    An error's message is ``f"{what} on sample {i} (data_source=...){detail}"``."""
+
+    kind: str
+    score: float = 0.0
+    extras: dict[str, float] = field(default_factory=dict)
+    what: str = ""
+    detail: str = ""
+    exc: BaseException | None = None
+
+
+_loop = None  # the asyncio event loop that run_awaitable uses (started on first use)
+_loop_lock = threading.Lock()
+
+
+def run_awaitable(awaitable):
+    """Awaits on one event loop per process, run by a background thread: it works whether or not
+    the caller's thread runs a loop itself (a notebook's), and clients that bind to a loop (aiohttp,
+    httpx) keep working from one sample to the next."""
+    import asyncio
+
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="rlflow-reward-loop", daemon=True).start()
+
+    async def wait():
+        return await awaitable
+
+    return asyncio.run_coroutine_threadsafe(wait(), _loop).result()
+
+
+def evaluate(fn: Callable, data_source, solution_str, ground_truth, extra_info=None) -> Outcome:
+    """Calls ``fn`` on one sample (awaiting an awaitable result) and checks what it returned."""
+    try:
+        result = fn(data_source, solution_str, ground_truth, extra_info)
+        if inspect.isawaitable(result):
+            result = run_awaitable(result)
+    except Exception as e:
+        return Outcome("raised", what="reward function failed", detail=f": {type(e).__name__}: {e}", exc=e)
+    if isinstance(result, Mapping):
+        score = _as_number(result.get("score"))
+        if score is None:
+            return Outcome("bad", what="reward function returned a dict without a numeric 'score'",
+                           detail=f": keys {sorted(map(str, result))}, 'score' is {type(result.get('score')).__name__}")
+        extras = {}
+        for k, v in result.items():
+            num = None if k == "score" else _as_number(v)
+            if num is not None:
+                extras[str(k)] = num
+        return Outcome("ok", score, extras)
+    score = _as_number(result)
+    if score is None:
+        return Outcome("bad", what=f"reward function returned {type(result).__name__}",
+                       detail="; expected a number or a dict with a numeric 'score'")
+    return Outcome("ok", score)
+
+
 class RewardManager:
-    """Scores a batch of decoded responses with ``fn`` (default: ``compute_score``).
+    """Scores a batch of decoded responses with ``fn`` (default: ``compute_score``), one sample
+    after the other in this process.
 
     on_error="raise": a raising function or a NaN/inf score is a RewardError naming the sample;
     on_error="zero":  such a sample scores 0.0 and is counted in ``num_errors`` (the first few are
@@ -138,6 +216,25 @@ class RewardManager:
             self._logged += 1
             logger.warning("%s; scored 0.0 (reward on_error='zero')", msg)
 
+    def stops(self, outcome: Outcome) -> bool:
+        """Whether this outcome ends the batch: nothing after it is needed (assemble raises there)."""
+        if outcome.kind == "bad":
+            return True
+        return self.on_error == "raise" and not (outcome.kind == "ok" and math.isfinite(outcome.score))
+
+    def outcomes(self, items: list[tuple]) -> list[Outcome]:
+        """One Outcome per (data_source, solution_str, ground_truth, extra_info), in order; may stop
+        after an outcome that ``stops`` the batch."""
+        out = []
+        for item in items:
+            out.append(evaluate(self.fn, *item))
+            if self.stops(out[-1]):
+                break
+        return out
+
+    def close(self) -> None:
+        """Releases what scoring holds (nothing here; RewardPool's processes)."""
+
     def score_batch(
         self,
         responses: Sequence[str],
@@ -156,52 +253,30 @@ class RewardManager:
         bad = {k: v for k, v in lens.items() if v != n}
         if bad:
             raise ValueError(f"score_batch: {n} responses but lengths {bad}")
+        items = list(zip(data_sources, responses, ground_truths, extra_infos))
+        return self.assemble(self.outcomes(items), data_sources)
+
+    def assemble(self, outcomes: Sequence[Outcome], data_sources: Sequence[str]) -> tuple[list[float], dict[str, list[float]], int]:
+        """Applies on_error to the outcomes in sample order (the first error is the one raised)."""
         scores: list[float] = []
-        per_sample_extras: list[dict[str, float]] = []
+        per_sample_extras: list[dict[str, float] | None] = []
         num_errors = 0
-        for i in range(n):
-            ds = data_sources[i]
-            try:
-                result = self.fn(ds, responses[i], ground_truths[i], extra_infos[i])
-            except Exception as e:
-                num_errors += 1
-                self._fail(
-                    f"reward function failed on sample {i} (data_source={ds!r}): "
-                    f"{type(e).__name__}: {e}",
-                    e,
-                )
-                scores.append(0.0)
-                per_sample_extras.append(None)  # zeroed: 0.0 for every extra key too
+        for i, (outcome, ds) in enumerate(zip(outcomes, data_sources)):
+            where = f"sample {i} (data_source={ds!r})"
+            if outcome.kind == "bad":
+                raise RewardError(f"{outcome.what} on {where}{outcome.detail}")
+            if outcome.kind == "ok" and math.isfinite(outcome.score):
+                scores.append(outcome.score)
+                per_sample_extras.append(outcome.extras)
                 continue
-            extras: dict[str, float] = {}
-            if isinstance(result, Mapping):
-                score = _as_number(result.get("score"))
-                if score is None:
-                    raise RewardError(
-                        f"reward function returned a dict without a numeric 'score' on sample "
-                        f"{i} (data_source={ds!r}): keys {sorted(map(str, result))}, 'score' is "
-                        f"{type(result.get('score')).__name__}"
-                    )
-                for k, v in result.items():
-                    if k == "score":
-                        continue
-                    num = _as_number(v)
-                    if num is not None:
-                        extras[str(k)] = num
+            num_errors += 1
+            if outcome.kind == "ok":  # NaN or inf: zeroed, its extras kept
+                self._fail(f"reward function returned {outcome.score} on {where}")
+                per_sample_extras.append(outcome.extras)
             else:
-                score = _as_number(result)
-                if score is None:
-                    raise RewardError(
-                        f"reward function returned {type(result).__name__} on sample {i} "
-                        f"(data_source={ds!r}); expected a number or a dict with a numeric "
-                        f"'score'"
-                    )
-            if not math.isfinite(score):
-                num_errors += 1
-                self._fail(f"reward function returned {score} on sample {i} (data_source={ds!r})")
-                score = 0.0
-            scores.append(score)
-            per_sample_extras.append(extras)
+                self._fail(f"{outcome.what} on {where}{outcome.detail}", outcome.exc)
+                per_sample_extras.append(None)  # zeroed: 0.0 for every extra key too
+            scores.append(0.0)
         keys: dict[str, None] = {}
         for e in per_sample_extras:
             for k in e or ():
