@@ -104,9 +104,27 @@ class PPOTrainer:
     """roles: extra or replacing role declarations (controllers/roles.py); worker_classes:
     {role: subclass of that role's worker} (custom or test workers)."""
 
-    def __init__(self, config, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None):
+    def __init__(self, config, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None, *,
+                 train_dataset=None, val_dataset=None, reward_fn=None):
         self.cfg: RLFlowConfig = to_dataclass(config)
         self.roles = resolve_roles(roles, worker_classes)
+        # in-memory data and reward (RLFlow's docstring): checked here, before anything starts
+        from rlflow.data.dataset import rows_from
+
+        prompt_key = self.cfg.data.prompt_key
+        self.train_rows = None if train_dataset is None else rows_from(train_dataset, prompt_key=prompt_key,
+                                                                       name="train_dataset")
+        self.val_rows = None if val_dataset is None else rows_from(val_dataset, prompt_key=prompt_key,
+                                                                   name="val_dataset")
+        if reward_fn is not None:
+            if not callable(reward_fn):
+                raise TypeError(f"reward_fn must be a callable (data_source, solution_str, ground_truth, "
+                                f"extra_info=None) -> float | dict, got a {type(reward_fn).__name__}")
+            if self.cfg.reward.num_workers > 0:
+                from rlflow.rewards.pool import pickle_reward_fn
+
+                pickle_reward_fn(reward_fn)  # the pool's processes get it pickled: fail now if it does not pickle
+        self.reward_fn = reward_fn
         self.history: list[dict] = []
         self.groups = {}
         self.pools = []
@@ -157,7 +175,11 @@ class PPOTrainer:
         cfg, data = self.cfg, self.cfg.data
         kwargs = dict(prompt_key=data.prompt_key, apply_chat_template=_chat_flag(data.apply_chat_template),
                       filter_overlong=data.filter_overlong_prompts)
-        if data.train_files:
+        if self.train_rows is not None:  # in memory: replaces data.train_files / the synthetic task
+            train = PromptDataset(self.train_rows, self.tokenizer, data.max_prompt_length,
+                                  source="train_dataset (rows given in memory)", **kwargs)
+            val = None  # validation only on rows given as val_dataset (below)
+        elif data.train_files:
             train = PromptDataset.from_files(list(data.train_files), self.tokenizer, data.max_prompt_length, **kwargs)
             val_files = list(data.val_files) or None
             val = PromptDataset.from_files(val_files, self.tokenizer, data.max_prompt_length, **kwargs) if val_files else None
@@ -168,6 +190,9 @@ class PPOTrainer:
             val_rows = make_synthetic_rows(data.synthetic_task, data.synthetic_val_size, data.seed, split="val")
             train = PromptDataset(train_rows, self.tokenizer, data.max_prompt_length, source="synthetic train", **kwargs)
             val = PromptDataset(val_rows, self.tokenizer, data.max_prompt_length, source="synthetic val", **kwargs)
+        if self.val_rows is not None:
+            val = PromptDataset(self.val_rows, self.tokenizer, data.max_prompt_length,
+                                source="val_dataset (rows given in memory)", **kwargs)
         self.train_dataset, self.val_dataset = train, val
         self.loader = StatefulDataLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
 
@@ -179,12 +204,17 @@ class PPOTrainer:
         custom = reward.custom_function
         # loaded here too, before Ray starts: a missing file, an import error or a missing function
         # stops the run at once, with the same error whether or not a pool scores
-        fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else compute_score
+        if self.reward_fn is not None:  # a Python callable replaces reward.custom_function
+            fn = self.reward_fn
+        else:
+            fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else compute_score
         if reward.num_workers > 0:  # the processes start on the first batch, once Ray runs
             from rlflow.rewards.pool import RewardPool
 
-            self.reward_manager = RewardPool(custom.path, custom.name, reward.num_workers, reward.timeout_s,
-                                             reward.on_error, startup_timeout_s=self.cfg.trainer.startup_timeout_s)
+            path = None if self.reward_fn is not None else custom.path
+            self.reward_manager = RewardPool(path, custom.name, reward.num_workers, reward.timeout_s,
+                                             reward.on_error, startup_timeout_s=self.cfg.trainer.startup_timeout_s,
+                                             fn=self.reward_fn)
         else:
             self.reward_manager = RewardManager(fn, on_error=reward.on_error)
         self.score = Scorer(self.tokenizer, self.reward_manager)
@@ -602,14 +632,30 @@ class PPOTrainer:
 class RLFlow:
     """The Python API: `RLFlow(config).fit()` returns the per-step metrics history.
 
+    train_dataset / val_dataset: prompt rows in memory, in the layout of the data files
+    (rlflow/data/dataset.py: `data.prompt_key`, `data_source`, `reward_model: {"ground_truth": ...}`,
+    optional `extra_info`, `ability`): a list of dicts, a pandas DataFrame or a datasets.Dataset.
+    train_dataset replaces data.train_files (or the synthetic task); with it, validation runs only
+    on val_dataset (None: no validation, whatever data.val_files says). val_dataset alone replaces
+    the config's validation rows. Rows are checked here, before Ray starts: an error names the
+    argument, the row and the column.
+
+    reward_fn: a callable (data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+    (`async def` allowed), the contract of a reward file's compute_score; it replaces
+    reward.custom_function. With reward.num_workers > 0 it is pickled (cloudpickle: by value for a
+    function of a notebook, a lambda or a closure) to the reward processes, so it must pickle:
+    checked here. With reward.num_workers=0 the driver calls it.
+
     worker_classes: {role: subclass of that role's worker} to run custom workers; roles: extra
     role declarations (controllers/roles.py)."""
 
-    def __init__(self, config=None, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None):
+    def __init__(self, config=None, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None,
+                 *, train_dataset=None, val_dataset=None, reward_fn=None):
         from rlflow.config import load_config
 
         self.config = load_config() if config is None else config
-        self.trainer = PPOTrainer(self.config, worker_classes=worker_classes, roles=roles)
+        self.trainer = PPOTrainer(self.config, worker_classes=worker_classes, roles=roles, train_dataset=train_dataset,
+                                  val_dataset=val_dataset, reward_fn=reward_fn)
 
     def fit(self) -> list[dict]:
         return self.trainer.fit()

@@ -1,5 +1,6 @@
-"""examples/quickstart.ipynb runs headless (nbclient) with tiny settings, draws its progress bar as
-a notebook widget and its plot as an image, and leaves no Ray process behind."""
+"""examples/quickstart.ipynb runs headless (nbclient) with tiny settings, trains on rows and a reward
+function defined in the notebook (the in-memory Python API), draws its progress bar as a notebook
+widget and its plot as an image, and leaves no Ray process behind."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def test_notebook_is_small_and_clean():
     kinds = [c.cell_type for c in nb.cells]
     assert kinds.count("markdown") >= 4 and kinds.count("code") <= 8
     sources = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    assert "RLFlow(cfg).fit()" in sources and "ray.shutdown()" in sources and "num_cpus=NUM_CPUS" in sources
+    assert "ray.shutdown()" in sources and "num_cpus=NUM_CPUS" in sources
+    # the in-memory Python API: rows and a reward function defined in the notebook
+    assert "RLFlow(cfg, train_dataset=train_rows, val_dataset=val_rows, reward_fn=my_reward).fit()" in sources
+    assert "def my_reward(data_source, solution_str, ground_truth, extra_info=None):" in sources
 
 
 @pytest.mark.timeout(600)
@@ -73,6 +77,7 @@ def test_quickstart_notebook_runs_headless(tiny_model_dir, tmp_path, monkeypatch
     widgets = [out for _, out in _outputs(nb) if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
     assert widgets and any("rlflow" in out["data"].get("text/plain", "") for out in widgets)
     text = "".join(out.get("text", "") for _, out in _outputs(nb, "stream"))
+    assert "64 train rows, 8 val rows" in text  # the rows in memory follow the tiny settings
     assert "step 2/2" in text and "2 rows" in text  # 2 steps, no validation row (tiny settings)
     images = [out for _, out in _outputs(nb) if "image/png" in out.get("data", {})]
     assert len(images) == 1, "the plot cell draws one figure"

@@ -34,6 +34,7 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "ROW_DATA_KEYS",
     "load_rows",
+    "rows_from",
     "PromptDataset",
     "collate",
     "set_row_data",
@@ -141,38 +142,113 @@ def load_rows(
             )
         if not rows:
             raise ValueError(f"{path}: the file has no rows")
+        out.extend(_validate_rows(rows, path, prompt_key, columns))
+    return out
+
+
+def _validate_rows(
+    rows: list[dict], where: str, prompt_key: str, columns: Sequence[str] | None = None
+) -> list[dict]:
+    """Check the layout of ``rows`` (from ``where``: a file, or in-memory rows) and fill the
+    optional columns: ``ability`` "" and ``extra_info`` {}. ``columns``: the table's columns, when
+    the rows come from a table (a missing column is then named once, for the whole table)."""
+    if columns is not None:
         for col in (prompt_key, *REQUIRED_COLUMNS):
             if col not in columns:
                 raise ValueError(
-                    f"{path}: missing required column {col!r}; columns found: {columns}"
+                    f"{where}: missing required column {col!r}; columns found: {list(columns)}"
                 )
-        for i, row in enumerate(rows):
-            for col in (prompt_key, *REQUIRED_COLUMNS):
-                if row.get(col) is None:
-                    raise ValueError(f"{path}, row {i}: column {col!r} is missing or null")
-            why = _check_prompt(row[prompt_key])
-            if why is not None:
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(
+                f"{where}, row {i}: expected a dict (one row), got {type(row).__name__}"
+            )
+        for col in (prompt_key, *REQUIRED_COLUMNS):
+            if row.get(col) is None:
                 raise ValueError(
-                    f"{path}, row {i}: column {prompt_key!r} must be a string or a list of "
-                    f"chat messages [{{'role': ..., 'content': ...}}], got {why}"
+                    f"{where}, row {i}: column {col!r} is missing or null (columns: {sorted(row)})"
                 )
-            rm = row["reward_model"]
-            if not isinstance(rm, Mapping) or "ground_truth" not in rm:
-                raise ValueError(
-                    f"{path}, row {i}: column 'reward_model' must be a dict with a "
-                    f"'ground_truth' key, got {rm!r:.200}"
-                )
-            if row.get("extra_info") is None:
-                row["extra_info"] = {}
-            elif not isinstance(row["extra_info"], Mapping):
-                raise ValueError(
-                    f"{path}, row {i}: column 'extra_info' must be a dict, got "
-                    f"{type(row['extra_info']).__name__}"
-                )
-            if row.get("ability") is None:
-                row["ability"] = ""
-            out.append(row)
-    return out
+        why = _check_prompt(row[prompt_key])
+        if why is not None:
+            raise ValueError(
+                f"{where}, row {i}: column {prompt_key!r} must be a string or a list of "
+                f"chat messages [{{'role': ..., 'content': ...}}], got {why}"
+            )
+        rm = row["reward_model"]
+        if not isinstance(rm, Mapping) or "ground_truth" not in rm:
+            raise ValueError(
+                f"{where}, row {i}: column 'reward_model' must be a dict with a "
+                f"'ground_truth' key, got {rm!r:.200}"
+            )
+        if row.get("extra_info") is None:
+            row["extra_info"] = {}
+        elif not isinstance(row["extra_info"], Mapping):
+            raise ValueError(
+                f"{where}, row {i}: column 'extra_info' must be a dict, got "
+                f"{type(row['extra_info']).__name__}"
+            )
+        if row.get("ability") is None:
+            row["ability"] = ""
+    return rows
+
+
+def _to_python(value: Any) -> Any:
+    """numpy arrays and scalars (pandas and datasets cells) as plain lists and numbers; a float
+    NaN (pandas' missing value) as None."""
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_python(v) for v in value]
+    if hasattr(value, "tolist") and type(value).__module__.split(".")[0] == "numpy":
+        return _to_python(value.tolist())
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def rows_from(data: Any, *, prompt_key: str = "prompt", name: str = "rows") -> list[dict]:
+    """Prompt rows given in memory, checked as ``load_rows`` checks a file's: a list of dicts, a
+    ``pandas.DataFrame`` (``to_dict("records")``), a ``datasets.Dataset`` or a ``pyarrow.Table``
+    (any object with ``to_list()`` / ``to_pylist()``), or any iterable of dict rows. ``name`` (e.g.
+    "train_dataset") names the argument in errors, with the row index (0-based). Returns new dicts:
+    the caller's rows are not modified."""
+    where = f"{name} (rows given in memory)"
+    if data is None or isinstance(data, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"{name}: expected rows in memory (a list of dicts, a pandas DataFrame or a "
+            f"datasets.Dataset), got {data!r:.200}; for data files set data.train_files / "
+            f"data.val_files"
+        )
+    if isinstance(data, Mapping):
+        raise TypeError(
+            f"{name}: got one dict (keys: {sorted(data)[:10]}); pass a list of row dicts, "
+            f"one per prompt"
+        )
+    columns = None
+    if type(data).__module__.split(".")[0] == "pandas" and hasattr(data, "to_dict"):
+        columns = [str(c) for c in data.columns]
+        rows = data.to_dict("records")
+    elif callable(getattr(data, "to_list", None)) and hasattr(data, "column_names"):
+        columns, rows = list(data.column_names), data.to_list()  # datasets.Dataset
+    elif callable(getattr(data, "to_pylist", None)) and hasattr(data, "column_names"):
+        columns, rows = list(data.column_names), data.to_pylist()  # pyarrow.Table
+    else:
+        try:
+            rows = list(data)
+        except TypeError:
+            raise TypeError(
+                f"{name}: expected rows in memory (a list of dicts, a pandas DataFrame or a "
+                f"datasets.Dataset), got a {type(data).__name__}"
+            ) from None
+    if not rows:
+        raise ValueError(f"{where}: no rows")
+    rows = [
+        {str(k): _to_python(v) for k, v in row.items()} if isinstance(row, Mapping) else row
+        for row in rows
+    ]
+    return _validate_rows(rows, where, prompt_key, columns)
 
 
 # --------------------------------------------------------------------------------------------

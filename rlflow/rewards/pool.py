@@ -1,8 +1,9 @@
 """Reward functions off the driver: a pool of Ray processes, with a timeout per sample.
 
 ``RewardPool`` is a ``RewardManager`` whose samples are scored by ``num_workers`` Ray actors
-(``RewardWorker``), each of which loads the reward file itself. A batch is cut into chunks that
-are handed to idle processes. A process scores its chunk one sample after the other and streams
+(``RewardWorker``), each of which loads the reward file itself (or unpickles the Python callable
+it was given: ``RewardPool(fn=...)``, pickled with cloudpickle, by value where not importable).
+A batch is cut into chunks that are handed to idle processes. A process scores its chunk one sample after the other and streams
 the outcomes back (a Ray streaming generator): all of them when the chunk is done, the ones so far
 every ``poll_s`` while it is not, and, as soon as one sample has run ``poll_s``, a message that
 names it as the one running. Fast rule rewards thus cost one message per chunk, and the driver
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 
 from rlflow.rewards import Outcome, RewardError, RewardManager, compute_score, evaluate, load_custom_reward_fn
 
-__all__ = ["RewardPool", "RewardWorker"]
+__all__ = ["RewardPool", "RewardWorker", "pickle_reward_fn"]
 
 # A chunk is about this much scoring (one Ray call, ~2 ms here), and at most an equal share of the
 # batch: cheap rule rewards go in one call per process, slow ones in small chunks that balance the load.
@@ -55,12 +56,17 @@ CHUNK_S = 0.1
 class RewardWorker:
     """One pool process: loads the reward function once, then scores chunks of samples."""
 
-    def __init__(self, path: str | None, name: str, sys_path: list[str]):
+    def __init__(self, path: str | None, name: str, sys_path: list[str], fn_bytes: bytes | None = None):
         # the reward file imports what it would import in the driver (e.g. modules next to the script)
         sys.path.extend(entry for entry in sys_path if entry not in sys.path)
         self.error = None
         try:
-            self.fn = load_custom_reward_fn(path, name) if path else compute_score
+            if fn_bytes is not None:  # a callable of the driver's, unpickled once sys.path is the driver's
+                from ray import cloudpickle
+
+                self.fn = cloudpickle.loads(fn_bytes)
+            else:
+                self.fn = load_custom_reward_fn(path, name) if path else compute_score
         except Exception as err:  # noqa: BLE001 - re-raised in the driver by RewardPool
             self.fn, self.error = None, _portable(err)
 
@@ -121,6 +127,22 @@ def _portable(err: BaseException) -> BaseException:
     return err
 
 
+def pickle_reward_fn(fn) -> bytes:
+    """``fn`` pickled for the pool's processes (cloudpickle: a function of ``__main__``, e.g. a
+    notebook's, a lambda or a closure goes by value), or a TypeError naming reward_fn."""
+    from ray import cloudpickle
+
+    try:
+        return cloudpickle.dumps(fn)
+    except Exception as err:  # noqa: BLE001 - TypeError, PicklingError, ... from what it captures
+        raise TypeError(
+            f"reward_fn {getattr(fn, '__qualname__', fn)!r} cannot be pickled to the reward processes "
+            f"(reward.num_workers > 0): {type(err).__name__}: {err}. Define it at module level without "
+            f"unpicklable state (locks, open files, clients: create them inside the function), or score "
+            f"in the driver with reward.num_workers=0"
+        ) from err
+
+
 @dataclass
 class _Slot:
     """One process of the pool and what it is doing: starting (``starting``: its ready() call),
@@ -171,15 +193,18 @@ class _Batch:
 
 class RewardPool(RewardManager):
     """Scores batches in ``num_workers`` Ray processes that load ``name`` from the reward file
-    at ``path`` (None: the built-in ``compute_score``); each sample may run ``timeout_s`` seconds.
+    at ``path`` (None: the built-in ``compute_score``), or that run ``fn``, a Python callable
+    pickled to them (it replaces ``path``); each sample may run ``timeout_s`` seconds.
 
     The processes start on the first batch (Ray must be running); ``close()`` kills them. Not
     thread-safe: one batch at a time."""
 
     def __init__(self, path: str | os.PathLike | None = None, name: str = "compute_score", num_workers: int = 2,
                  timeout_s: float = 30.0, on_error: str = "raise", startup_timeout_s: float = 900.0,
-                 max_logged_errors: int = 5):
+                 max_logged_errors: int = 5, fn=None):
         super().__init__(None, on_error, max_logged_errors)
+        self.fn_bytes = None if fn is None else pickle_reward_fn(fn)
+        self.fn_name = None if fn is None else getattr(fn, "__qualname__", repr(fn))
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 0 < timeout_s < math.inf:
@@ -202,7 +227,7 @@ class RewardPool(RewardManager):
         # next to the driver (soft: elsewhere if this node cannot take it); no CPU reserved
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         actor = ray.remote(RewardWorker).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(
-            self.path, self.name, list(sys.path))
+            self.path, self.name, list(sys.path), self.fn_bytes)
         slot.actor, slot.starting, slot.stream, slot.todo = actor, actor.ready.remote(), None, []
         slot.since, slot.named = time.monotonic(), False
 
@@ -223,10 +248,15 @@ class RewardPool(RewardManager):
             _, error = ray.get(slot.starting)
         except ray.exceptions.RayActorError as err:
             raise RewardError(f"a reward process died while loading the reward function "
-                              f"({self.path or 'built-in compute_score'}): {_death_detail(err)}") from err
+                              f"({self._source()}): {_death_detail(err)}") from err
         if error is not None:
             raise error  # the error the driver's own load gives, e.g. FileNotFoundError naming the file
         slot.starting = None
+
+    def _source(self) -> str:
+        if self.fn_bytes is not None:
+            return f"reward_fn {self.fn_name}"
+        return self.path or "built-in compute_score"
 
     def close(self) -> None:
         import ray
