@@ -25,11 +25,11 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from rlflow.files import building_dir
 
 __all__ = [
     "CODE_VERSION",
@@ -354,8 +354,8 @@ def warm_start(
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+    # another process finishing the same entry first keeps its folder
+    with building_dir(final, is_complete=lambda folder: (folder / "config.json").is_file()) as tmp:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -380,19 +380,10 @@ def warm_start(
             "sft_seconds": round(info["seconds"], 2),
         }
         (tmp / "rlflow_warm_start.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # another process finished the same entry first: keep theirs
-            if not (final / "config.json").is_file():
-                raise
-        if log:
-            log(f"[rlflow] warm start {task}: done in {time.time() - t0:.0f}s "
-                f"(final loss {info['final_loss']:.4f})")
-        return str(final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    if log:
+        log(f"[rlflow] warm start {task}: done in {time.time() - t0:.0f}s "
+            f"(final loss {info['final_loss']:.4f})")
+    return str(final)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlflow.files import sha256_file
+from rlflow.files import building_dir, sha256_file
 
 __all__ = [
     "ALIAS",
@@ -192,8 +192,8 @@ def convert(cache_dir: str | os.PathLike | None = None, *, loaded=None, verbose:
     check_dependencies()
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else (lambda msg: None)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
+    # another process finishing the same conversion first keeps its folder
+    with building_dir(final, is_complete=_is_current) as tmp:
         t0 = time.time()
         log(f"[rlflow] converting {gguf} -> {final}")
         quantized, tokenizer = loaded if loaded is not None else load_gguf(gguf)
@@ -216,18 +216,9 @@ def convert(cache_dir: str | os.PathLike | None = None, *, loaded=None, verbose:
             stale = Path(tempfile.mkdtemp(prefix=f".stale-{final.name}-", dir=final.parent))
             os.rename(final, stale / "old")
             shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # another process finished the same conversion first: keep theirs
-            if not _is_current(final):
-                raise
-        log(f"[rlflow] converted in {time.time() - t0:.0f}s: {meta['architecture']}, "
-            f"{meta['num_parameters'] / 1e6:.1f}M parameters")
-        return str(final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"[rlflow] converted in {time.time() - t0:.0f}s: {meta['architecture']}, "
+        f"{meta['num_parameters'] / 1e6:.1f}M parameters")
+    return str(final)
 
 
 def model_path(cache_dir: str | os.PathLike | None = None, verbose: bool = True) -> str:
