@@ -31,11 +31,12 @@ from rlflow.protocol import MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num
 # what the console prints each step (every metric goes to the other trackers)
 CONSOLE_KEYS = (
     "reward/score_mean", "reward/acc_mean", "val/acc_mean", "val/score_mean", "actor/pg_loss", "critic/vf_loss",
-    "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "response/length_mean", "timing/gen", "timing/update", "timing/step",
+    "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "response/length_mean", "rollout/num_gen_batches", "timing/gen",
+    "timing/update", "timing/step",
 )
 # what the step keeps of the rollout's batch (the estimator's declared inputs are added to it)
 STEP_KEYS = MODEL_INPUT_KEYS + ("group_index", "token_level_scores")
-OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs")
+OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs", "rule_scores", "rm_scores", "overlong_penalty")
 
 
 class Timer:
@@ -164,7 +165,8 @@ class PPOTrainer:
 
         cfg = self.cfg
         source = replay or GeneratingSource(cfg, self.loader, self.groups["rollout"], self.score,
-                                            weight_version=lambda: self.weight_version)
+                                            weight_version=lambda: self.weight_version,
+                                            pad_token_id=self.tokenizer.pad_token_id)
         if cfg.trainer.record_rollouts:
             source = RecordingSource(source, cfg.trainer.record_rollouts)
         return source
@@ -217,7 +219,12 @@ class PPOTrainer:
                                              fn=self.reward_fn)
         else:
             self.reward_manager = RewardManager(fn, on_error=reward.on_error)
-        self.score = Scorer(self.tokenizer, self.reward_manager)
+        self.score = Scorer(self.tokenizer, self.reward_manager, rule_weight=reward.rule_weight,
+                            reward_model_weight=self.cfg.reward_model.weight)
+        if self.cfg.reward_model.enable:  # its worker group starts with the others (_setup_workers)
+            from rlflow.rewards.model import check_reward_model_folder
+
+            check_reward_model_folder(self.cfg.reward_model.path)
 
     def _setup_workers(self) -> None:
         from controllers.worker_group import RayWorkerGroup, ResourcePool
@@ -258,6 +265,10 @@ class PPOTrainer:
             inits[name] = (method, self.groups[name].call_all_async(method, *args))
         for name, (method, futures) in inits.items():
             self.groups[name].gather(futures, method, startup=True)
+        if "reward_model" in self.groups:
+            from rlflow.rewards.model import RewardModelClient
+
+            self.score.reward_model = RewardModelClient(self.groups["reward_model"])
         self.weight_sync = self._setup_weight_sync()
 
     def _setup_weight_sync(self) -> str:
@@ -527,8 +538,15 @@ class PPOTrainer:
             metrics["critic/values_mean"] = masked_mean(batch["values"], mask).item()
         if "acc" in batch.keys():
             metrics["reward/acc_mean"] = batch["acc"].mean().item()
+        for key, name in (("rule_scores", "reward/rule_score_mean"), ("rm_scores", "reward/rm_score_mean"),
+                          ("overlong_penalty", "reward/overlong_penalty_mean")):
+            if key in batch.keys():
+                metrics[name] = batch[key].mean().item()
+        if "overlong_penalty" in batch.keys():
+            metrics["reward/overlong_frac"] = (batch["overlong_penalty"] < 0).float().mean().item()
         if extras.get("num_reward_errors"):
             metrics["reward/num_errors"] = float(extras["num_reward_errors"])
+        metrics.update(extras.get("metrics", {}))  # the rollout source's own (dynamic sampling)
         for name, value in metrics.items():
             if not math.isfinite(value) and self.cfg.trainer.nan_policy == "abort":
                 raise FloatingPointError(f"metric {name} is {value}; set trainer.nan_policy=skip to continue past it")
@@ -587,9 +605,10 @@ class PPOTrainer:
     def driver_state(self) -> dict:
         """in_flight: the rollouts started for the next steps (max_staleness >= 1), finished and
         kept whole; the data position is past their prompts."""
+        # first: finishing them may take more prompts (dynamic sampling's refills)
+        in_flight = self.rollouts.state_dict(Timer())
         return {"dataloader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "history": list(self.history), "model_path": str(self.model_path),
-                "in_flight": self.rollouts.state_dict(Timer())}
+                "history": list(self.history), "model_path": str(self.model_path), "in_flight": in_flight}
 
     def load_driver_state(self, state: dict, step: int) -> None:
         in_flight = state.get("in_flight", [])

@@ -124,7 +124,16 @@ ROLLOUT = Role(
     init=lambda ctx: ("init_engine", (ctx.model_path, ctx.pad_token_id, ctx.eos_token_id)),
 )
 
-DEFAULT_ROLES = (ACTOR, ROLLOUT, CRITIC, REFERENCE)
+REWARD_MODEL = Role(
+    name="reward_model",
+    worker="workers.reward_model:RewardModelWorker",
+    enabled=lambda cfg: bool(cfg.reward_model.enable),
+    dp_size=lambda cfg: cfg.reward_model.dp_size,
+    # no forward phase: the Scorer calls it when a rollout is scored (rlflow/rewards/model.py)
+    init=lambda ctx: ("init_model", (ctx.cfg.reward_model.path,)),
+)
+
+DEFAULT_ROLES = (ACTOR, ROLLOUT, CRITIC, REFERENCE, REWARD_MODEL)
 
 
 def resolve_roles(extra: list[Role] | tuple[Role, ...] | None = None,

@@ -41,25 +41,45 @@ class Rollout:
 
 
 class Scorer:
-    """Decodes responses and scores them with the reward manager (rlflow.rewards: a RewardPool of
-    Ray processes, or a RewardManager in the driver when reward.num_workers=0); the score goes on
-    the last valid response token."""
+    """Decodes responses and scores them: the reward function through the reward manager
+    (rlflow.rewards: a RewardPool of Ray processes, or a RewardManager in the driver when
+    reward.num_workers=0), and the reward model when one is configured (rlflow/rewards/model.py),
+    combined as rule_weight * rule + reward_model_weight * model. The score goes on the last valid
+    response token."""
 
-    def __init__(self, tokenizer, reward_manager):
+    def __init__(self, tokenizer, reward_manager, rule_weight: float = 1.0, reward_model=None,
+                 reward_model_weight: float = 1.0):
         self.tokenizer = tokenizer
         self.reward = reward_manager
+        self.rule_weight = rule_weight
+        self.reward_model = reward_model  # set once its worker group runs (PPOTrainer._setup_workers)
+        self.reward_model_weight = reward_model_weight
 
     def __call__(self, batch: TensorDict, rows: dict) -> tuple[torch.Tensor, dict]:
         responses, mask = batch["responses"], batch["response_mask"]
         texts = [self.tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
                  for ids, m in zip(responses, mask)]
-        scores, extras, num_errors = self.reward.score_batch(texts, rows["data_source"], rows["ground_truth"],
-                                                             rows["extra_info"])
+        # the reward model's forward runs while the reward function scores
+        pending = None
+        if self.reward_model is not None:
+            prompts = [source["prompt"] for source in rows["source_prompt"]]
+            pending = self.reward_model.score_async(prompts, texts)
+        scores, extras, num_errors = [0.0] * len(texts), {}, 0
+        if pending is None or self.rule_weight != 0:
+            rule, extras, num_errors = self.reward.score_batch(texts, rows["data_source"], rows["ground_truth"],
+                                                               rows["extra_info"])
+            scores = [self.rule_weight * float(score) for score in rule]
+            extras = dict(extras)
+            if pending is not None:
+                extras["rule_score"] = [float(score) for score in rule]
+        if pending is not None:
+            model_scores = self.reward_model.collect(pending)
+            extras["rm_score"] = model_scores
+            scores = [score + self.reward_model_weight * model for score, model in zip(scores, model_scores, strict=True)]
         token_scores = torch.zeros(responses.shape, dtype=torch.float32)
         lengths = mask.sum(-1).long()
         for row, (score, length) in enumerate(zip(scores, lengths.tolist())):
             token_scores[row, max(length - 1, 0)] = float(score)
-        extras = dict(extras)
         extras["num_reward_errors"] = num_errors
         return token_scores, extras
 
@@ -88,19 +108,26 @@ class _Started:
 
 
 class GeneratingSource(RolloutSource):
-    def __init__(self, cfg, loader, rollout_group, scorer: Scorer, weight_version: Callable[[], int]):
+    """With algorithm.filter_groups, finishing a step's rollout may generate more batches of prompts
+    (the loader's next ones, with the weights of the last sync) until data.train_batch_size groups
+    with differing responses are kept (rlflow/algos/dynamic_sampling.py)."""
+
+    def __init__(self, cfg, loader, rollout_group, scorer: Scorer, weight_version: Callable[[], int],
+                 pad_token_id: int = 0):
         self.cfg = cfg
         self.loader = loader
         self.rollout = rollout_group
         self.score = scorer
         self.weight_version = weight_version
+        self.pad_token_id = pad_token_id
 
-    def _generate(self, prompts: TensorDict, n: int, do_sample: bool, step: int) -> list:
+    def _generate(self, prompts: TensorDict, n: int, do_sample: bool, step: int, gen_index: int) -> list:
         rollout = self.cfg.rollout
-        seed = self.cfg.trainer.seed * 1_000_003 + step
+        # a refill (gen_index >= 1) draws other samples than the step's first batch
+        seed = self.cfg.trainer.seed * 1_000_003 + step + gen_index * 1_000_000_007
         return self.rollout.dispatch_dp_async("generate", prompts, n, do_sample, seed, rollout.calculate_log_probs)
 
-    def start(self, step: int) -> _Started:
+    def start(self, step: int, gen_index: int = 0) -> _Started:
         from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
 
         prompts = next(self.loader)
@@ -109,23 +136,39 @@ class GeneratingSource(RolloutSource):
         # the rollout group runs its calls in order: this generation uses the weights of every sync
         # dispatched before it, and no later one
         version = self.weight_version()
-        sampled = self._generate(prompts, self.cfg.rollout.n, self.cfg.rollout.do_sample, step)
+        sampled = self._generate(prompts, self.cfg.rollout.n, self.cfg.rollout.do_sample, step, gen_index)
         greedy = None
         if "reward_baselines" in estimator_inputs(self.cfg.algorithm.adv_estimator):
             # ReMax's baseline: the score of each prompt's greedy response, shared by its n samples
-            greedy = self._generate(prompts, 1, False, step)
+            greedy = self._generate(prompts, 1, False, step, gen_index)
         return _Started(step, version, rows, prompts.batch_size[0], sampled, greedy)
 
     def finish(self, started: _Started, timer) -> Rollout:
+        rollout = self._finish_one(started, timer)
+        if self.cfg.algorithm.filter_groups.enable:
+            rollout = self._fill_groups(started.step, rollout, timer)
+        return rollout
+
+    def _finish_one(self, started: _Started, timer) -> Rollout:
         n, rows = self.cfg.rollout.n, started.rows
         with timer("gen"):
             batch = self.rollout.collect_dp(started.sampled, "generate")
         batch["group_index"] = torch.arange(started.num_prompts).repeat_interleave(n) + started.step * started.num_prompts
         with timer("reward"):
             scores, extras = self.score(batch, {k: [v for v in vals for _ in range(n)] for k, vals in rows.items()})
+        for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores")):
+            if key in extras:
+                batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
+        buffer = self.cfg.reward.overlong_buffer
+        if buffer.enable:  # training rewards only: validation reports the task's own score
+            from rlflow.algos.dynamic_sampling import overlong_penalty
+
+            lengths = batch["response_mask"].sum(-1)
+            penalty = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+            last = (lengths.long() - 1).clamp(min=0).unsqueeze(1)
+            scores = scores.scatter_add(1, last, penalty.unsqueeze(1))
+            batch["overlong_penalty"] = penalty
         batch["token_level_scores"] = scores
-        if "acc" in extras:
-            batch["acc"] = torch.tensor(extras.pop("acc"), dtype=torch.float32)
         if started.greedy is not None:
             with timer("gen"):
                 greedy = self.rollout.collect_dp(started.greedy, "generate")
@@ -133,6 +176,52 @@ class GeneratingSource(RolloutSource):
                 greedy_scores, _ = self.score(greedy, rows)
             batch["reward_baselines"] = greedy_scores.sum(-1).repeat_interleave(n)
         return Rollout(batch, started.weight_version, {"num_reward_errors": extras.get("num_reward_errors", 0)})
+
+    def _fill_groups(self, step: int, first: Rollout, timer) -> Rollout:
+        """Dynamic sampling: keep the groups whose metric varies, generating further batches until
+        data.train_batch_size groups are kept; the batch is the first train_batch_size of them, in
+        generation order. The weight version is the oldest of the batches used."""
+        from rlflow.algos.dynamic_sampling import groups_with_variance, rows_of_groups
+        from rlflow.protocol import concat_rollouts
+
+        section, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
+        wanted = self.cfg.data.train_batch_size
+        kept, dropped, versions = [], [], []
+        num_kept = num_generated = num_errors = 0
+        rollout, gen_index = first, 0
+        while True:
+            batch = rollout.batch
+            values = batch["acc"] if section.metric == "acc" else batch["token_level_scores"].sum(-1)
+            varies = groups_with_variance(values, n)
+            keep_groups = varies.nonzero().squeeze(1)
+            kept.append(batch[rows_of_groups(keep_groups, n)])
+            dropped.append(batch[rows_of_groups((~varies).nonzero().squeeze(1), n)])
+            versions.append(rollout.weight_version)
+            num_kept += len(keep_groups)
+            num_generated += len(varies)
+            num_errors += rollout.extras.get("num_reward_errors", 0)
+            gen_index += 1
+            if num_kept >= wanted or gen_index >= section.max_num_gen_batches:
+                break
+            rollout = self._finish_one(self.start(step, gen_index), timer)
+        filled = 0
+        if num_kept < wanted:
+            message = (f"algorithm.filter_groups: step {step + 1} kept {num_kept} of the {wanted} groups it needs "
+                       f"after algorithm.filter_groups.max_num_gen_batches={section.max_num_gen_batches} batches "
+                       f"({num_generated} groups generated; the others' {section.metric} was the same for all "
+                       f"{n} responses)")
+            if section.on_cap == "raise":
+                raise RuntimeError(f"{message}: raise max_num_gen_batches, use easier prompts, or set "
+                                   "algorithm.filter_groups.on_cap=fill")
+            filled = wanted - num_kept
+            print(f"[rlflow] warning: {message}; {filled} dropped groups fill the batch (on_cap=fill)", flush=True)
+            kept.append(concat_rollouts(dropped, self.pad_token_id)[: filled * n])
+        batch = concat_rollouts(kept, self.pad_token_id)[: wanted * n]
+        batch["group_index"] = torch.arange(wanted).repeat_interleave(n) + step * wanted
+        metrics = {"rollout/num_gen_batches": float(gen_index), "rollout/kept_groups_frac": num_kept / num_generated}
+        if section.on_cap == "fill":
+            metrics["rollout/filled_groups"] = float(filled)
+        return Rollout(batch, min(versions), {"num_reward_errors": num_errors, "metrics": metrics})
 
 
 def step_file(folder: str, step: int) -> str:

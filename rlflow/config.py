@@ -169,6 +169,17 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment of training responses (rlflow/algos/dynamic_sampling.py): a
+    response longer than data.max_response_length - len tokens gets -penalty_factor * (its excess
+    over that) / len added to its score, reaching -penalty_factor at max_response_length."""
+
+    enable: bool = False
+    len: int = 4  # the buffer, in tokens, before data.max_response_length
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     # raise | zero: a sample whose function raises, returns NaN/inf, runs past timeout_s or kills its
@@ -179,6 +190,25 @@ class RewardConfig:
     num_workers: int = 2
     # seconds a sample may run, from when its process begins it; then the process is killed and replaced
     timeout_s: float = 30.0
+    # a sample's score: rule_weight * the reward function's + reward_model.weight * the reward
+    # model's (when reward_model.enable); rule_weight=0 with a reward model: the function is not called
+    rule_weight: float = 1.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model (rlflow/rewards/model.py): a *ForSequenceClassification HF folder
+    with one label, its own tokenizer and chat template; its score of (prompt, response) is added
+    to each sample's score with `weight` (reward.rule_weight weights the reward function's)."""
+
+    enable: bool = False
+    path: str = ""
+    weight: float = 1.0
+    dp_size: int = 1
+    micro_batch_size: int = 32  # texts per forward
+    max_length: int = 1024  # tokens of a formatted (prompt, response); longer texts lose their start
+    dtype: str = "float32"
 
 
 @dataclass
@@ -202,6 +232,20 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (rlflow/algos/dynamic_sampling.py): groups (a prompt's rollout.n
+    responses) whose `metric` is the same for every response are dropped, and batches of
+    data.train_batch_size prompts are generated until train_batch_size groups are kept."""
+
+    enable: bool = False
+    metric: str = "acc"  # acc (the reward function's) | score (the sample's final score)
+    # generation batches per step at most (the first included); hitting it: on_cap
+    max_num_gen_batches: int = 10
+    # raise: stop naming the key | fill: complete the batch with dropped groups, warn, count them
+    on_cap: str = "raise"
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -211,6 +255,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -267,6 +312,7 @@ class RLFlowConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -462,6 +508,38 @@ def _check_rollout_correction(cfg: DictConfig) -> None:
               "log-probs: it needs rollout.calculate_log_probs=true")
 
 
+def _check_reward_model(cfg: DictConfig) -> None:
+    section = cfg.reward_model
+    if not section.enable:
+        _need(cfg.reward.rule_weight > 0, "reward.rule_weight=0 leaves no reward: enable reward_model or set it > 0")
+        return
+    _need(bool(section.path), "reward_model.enable=true needs reward_model.path (a *ForSequenceClassification HF folder)")
+    _need(section.dp_size >= 1, f"reward_model.dp_size must be >= 1, got {section.dp_size}")
+    _need(section.micro_batch_size >= 1, f"reward_model.micro_batch_size must be >= 1, got {section.micro_batch_size}")
+    _need(section.max_length >= 2, f"reward_model.max_length must be >= 2, got {section.max_length}")
+    _need(section.dtype in ("float32", "bfloat16", "float16"),
+          f"reward_model.dtype={section.dtype!r} is not one of float32, bfloat16, float16")
+
+
+def _check_dynamic_sampling(cfg: DictConfig) -> None:
+    fg, buffer = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
+    if fg.enable:
+        _need(fg.metric in ("acc", "score"), f"algorithm.filter_groups.metric={fg.metric!r} is not one of acc, score")
+        _need(fg.max_num_gen_batches >= 1,
+              f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got {fg.max_num_gen_batches}")
+        _need(fg.on_cap in ("raise", "fill"), f"algorithm.filter_groups.on_cap={fg.on_cap!r} is not one of raise, fill")
+        _need(cfg.rollout.n >= 2, f"algorithm.filter_groups drops groups whose responses all score alike: "
+                                  f"rollout.n must be >= 2, got {cfg.rollout.n}")
+        _need(not cfg.trainer.replay_rollouts, "algorithm.filter_groups generates until enough groups are kept: "
+                                               "it cannot be used with trainer.replay_rollouts (replay the filtered "
+                                               "recording without it)")
+    if buffer.enable:
+        _need(1 <= buffer.len <= cfg.data.max_response_length,
+              f"reward.overlong_buffer.len must be in [1, data.max_response_length={cfg.data.max_response_length}], "
+              f"got {buffer.len}")
+        _need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got {buffer.penalty_factor}")
+
+
 def validate_config(cfg: DictConfig) -> None:
     data, rollout, algo, trainer = cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
     _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
@@ -515,6 +593,9 @@ def validate_config(cfg: DictConfig) -> None:
           f"reward.num_workers must be >= 0 (0: score in the driver process), got {cfg.reward.num_workers}")
     _need(0 < cfg.reward.timeout_s < float("inf"),
           f"reward.timeout_s must be a number of seconds > 0, got {cfg.reward.timeout_s}")
+    _need(cfg.reward.rule_weight >= 0, f"reward.rule_weight must be >= 0, got {cfg.reward.rule_weight}")
+    _check_reward_model(cfg)
+    _check_dynamic_sampling(cfg)
     _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
     _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
     _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")

@@ -191,6 +191,28 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0)
 
 
+def concat_rollouts(batches: list[TensorDict], pad_token_id: int) -> TensorDict:
+    """Rollout batches of different prompt widths (each left-padded to its longest prompt) as one
+    batch: prompts re-padded on the left to the widest, responses unchanged (their width is
+    max_response_length in every batch). Per-row keys other than the token layout are concatenated."""
+    width = max(b["prompts"].shape[1] for b in batches)
+    padded = []
+    for batch in batches:
+        extra = width - batch["prompts"].shape[1]
+        if extra:
+            batch = batch.clone()
+            rows = batch.batch_size[0]
+            pad = batch["prompts"].new_full((rows, extra), int(pad_token_id))
+            zeros = batch["attention_mask"].new_zeros((rows, extra))
+            batch["prompts"] = torch.cat([pad, batch["prompts"]], dim=1)
+            batch["input_ids"] = torch.cat([pad, batch["input_ids"]], dim=1)
+            batch["attention_mask"] = torch.cat([zeros, batch["attention_mask"]], dim=1)
+            # what position_ids_from_mask gives a left pad
+            batch["position_ids"] = torch.cat([zeros.to(batch["position_ids"].dtype), batch["position_ids"]], dim=1)
+        padded.append(batch)
+    return torch.cat(padded, dim=0)
+
+
 def left_pad(sequences: list[list[int]], pad_token_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     width = length if length is not None else max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)

@@ -137,6 +137,11 @@ def test_prompt_dataset_tokenises_chat_and_plain(tok):
     assert plain["raw_prompt"] == "plain 12 + 30"
     assert plain["input_ids"] == tok("plain 12 + 30")["input_ids"]
     assert tok.decode(plain["input_ids"]) == "plain 12 + 30"
+    # the prompt as given, for a reward model that formats it with its own template
+    assert chat["source_prompt"] == {"prompt": [{"role": m["role"], "content": m["content"]} for m in rows[0]["prompt"]]}
+    assert plain["source_prompt"] == {"prompt": "plain 12 + 30"}
+    batch = collate([chat, plain], ds.pad_token_id)
+    assert get_row_data(batch, "source_prompt") == [chat["source_prompt"], plain["source_prompt"]]
 
 
 def test_prompt_dataset_template_modes(tok):

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 #: columns every row must have (the prompt column's name is configurable, default "prompt")
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 #: the per-row non-tensor keys ``collate`` stores
-ROW_DATA_KEYS = ("data_source", "ground_truth", "extra_info", "raw_prompt")
+ROW_DATA_KEYS = ("data_source", "ground_truth", "extra_info", "raw_prompt", "source_prompt")
 
 _SUPPORTED_EXTENSIONS = (".parquet", ".jsonl")
 
@@ -272,10 +272,20 @@ def _resolve_pad_token_id(tokenizer) -> int:
     return int(pad)
 
 
+def _source_prompt(prompt) -> dict:
+    """{"prompt": the string, or the chat messages as plain dicts}: wrapped in a dict because
+    set_row_data would turn a list value into a nested stack."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    return {"prompt": [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]}
+
+
 class PromptDataset(Sequence):
     """Tokenised prompts; ``dataset[i]`` is a dict with ``input_ids`` (list[int]),
-    ``data_source``, ``ground_truth``, ``extra_info`` and ``raw_prompt`` (the exact text that was
-    tokenised: the chat-templated string for message lists, the string itself otherwise).
+    ``data_source``, ``ground_truth``, ``extra_info``, ``raw_prompt`` (the exact text that was
+    tokenised: the chat-templated string for message lists, the string itself otherwise) and
+    ``source_prompt`` ({"prompt": the row's prompt as given, a string or the chat messages as
+    plain dicts}; a reward model formats it with its own template).
 
     apply_chat_template:
       "auto"  message lists go through ``tokenizer.apply_chat_template(...,
@@ -345,6 +355,7 @@ class PromptDataset(Sequence):
                     "ground_truth": rm.get("ground_truth") if isinstance(rm, Mapping) else None,
                     "extra_info": dict(row.get("extra_info") or {}),
                     "raw_prompt": text,
+                    "source_prompt": _source_prompt(row[prompt_key]),
                 }
             )
         self.num_dropped = len(self.dropped_indices)
@@ -472,7 +483,8 @@ def get_row_data(td: TensorDict, key: str) -> list:
 def collate(items: Sequence[Mapping], pad_token_id: int) -> TensorDict:
     """Batch dataset items: ``input_ids``/``attention_mask``/``position_ids`` [B, P] long,
     LEFT-padded to the longest prompt of the batch; ``position_ids = clamp(cumsum(mask)-1, 0)``;
-    per-row ``data_source``, ``ground_truth``, ``extra_info``, ``raw_prompt`` via set_row_data."""
+    per-row ``data_source``, ``ground_truth``, ``extra_info``, ``raw_prompt``, ``source_prompt`` via
+    set_row_data."""
     if not items:
         raise ValueError("collate: empty batch")
     bsz = len(items)
