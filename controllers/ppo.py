@@ -555,7 +555,7 @@ class PPOTrainer:
     # -- validation ---------------------------------------------------------------------------------
     def validate(self) -> dict:
         """Scores rollout.val_n responses per validation prompt (sampled at rollout.val_temperature
-        when rollout.val_do_sample, greedy otherwise) with the fixed seed 0: the val_n draws of a
+        and rollout.val_top_p when rollout.val_do_sample, greedy otherwise) with the fixed seed 0: the val_n draws of a
         prompt differ, and a run repeats them. val/score_mean, val/acc_mean and
         val/response_length_mean average over all samples; val_n > 1 adds val/pass@k (k = 1, the
         powers of 2 below val_n, val_n; Chen et al.'s unbiased estimator, rlflow/algos/pass_at_k.py:
@@ -573,7 +573,7 @@ class PPOTrainer:
             prompts = chunk.select("input_ids", "attention_mask", "position_ids")
             pad = (-prompts.batch_size[0]) % cfg.rollout.dp_size
             out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), n, cfg.rollout.val_do_sample, 0,
-                                                     False, cfg.rollout.val_temperature)
+                                                     False, cfg.rollout.val_temperature, cfg.rollout.val_top_p)
             out = out[: prompts.batch_size[0] * n]  # row r answers prompt r // n
             if n > 1:
                 rows = {key: [v for v in vals for _ in range(n)] for key, vals in rows.items()}

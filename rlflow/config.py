@@ -149,6 +149,7 @@ class RolloutConfig:
     do_sample: bool = True
     val_do_sample: bool = False
     val_temperature: float = 1.0
+    val_top_p: float = 1.0
     # validation samples per prompt (> 1: val/pass@k and val/mean@{val_n}; needs val_do_sample)
     val_n: int = 1
     # rollout_log_probs: each sampled token's log-prob under the distribution it was drawn from
@@ -581,6 +582,8 @@ def validate_config(cfg: DictConfig) -> None:
         _need(sequences_per_step % ref_dp == 0,
               f"reference.dp_size={ref_dp} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
     _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _need(0.0 < rollout.val_top_p <= 1.0, f"rollout.val_top_p must be in (0, 1], got {rollout.val_top_p}")
+    _need(rollout.val_temperature > 0, f"rollout.val_temperature must be > 0, got {rollout.val_temperature}")
     _need(rollout.val_n >= 1, f"rollout.val_n must be >= 1, got {rollout.val_n}")
     _need(rollout.val_n == 1 or rollout.val_do_sample,
           f"rollout.val_n={rollout.val_n} needs rollout.val_do_sample=true: greedy decoding gives {rollout.val_n} "

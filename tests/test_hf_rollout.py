@@ -101,6 +101,20 @@ def test_a_call_may_sample_at_another_temperature(tiny_model_dir):
     assert _masked_max_diff(out["rollout_log_probs"], at_one, mask) > 100 * TOL
 
 
+def test_a_call_may_sample_at_another_top_p(tiny_model_dir):
+    """Validation samples at rollout.val_top_p: a call's top_p truncates the distribution sampled
+    from and scored. A tiny top_p keeps only the most likely token: greedy's tokens, log-prob 0."""
+    engine = _engine(tiny_model_dir, temperature=1.0)
+    prompts = _prompts(engine.model.config.vocab_size, engine.pad_token_id)
+    out = engine.generate(prompts, n=2, do_sample=True, seed=5, return_log_probs=True, top_p=1e-6)
+    greedy = engine.generate(prompts, n=2, do_sample=False)
+    assert torch.equal(out["responses"], greedy["responses"])
+    mask = out["response_mask"]
+    assert float((out["rollout_log_probs"] * mask).abs().max()) < TOL
+    wide = engine.generate(prompts, n=2, do_sample=True, seed=5, return_log_probs=True)  # the engine's top_p, 1.0
+    assert not torch.equal(wide["responses"], greedy["responses"])
+
+
 class ReversingEngine(RolloutEngine):
     """An engine from outside rlflow: 'generates' each prompt reversed, then EOS."""
 
@@ -109,7 +123,7 @@ class ReversingEngine(RolloutEngine):
         return cls(max_response_length=cfg.data.max_response_length, pad_token_id=pad_token_id,
                    eos_token_id=eos_token_id)
 
-    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature):
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p):
         rows = [[t for t, m in zip(ids, mask) if m][::-1] + [self.eos_token_id, 7, 7]
                 for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
         rows = [row for row in rows for _ in range(n)]

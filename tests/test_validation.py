@@ -161,7 +161,7 @@ def test_validate_with_val_n_samples(ray_session, tiny_model_dir, tmp_path):
     reward.write_text(REWARD)
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": "grpo", "rollout.val_n": 4, "rollout.val_do_sample": True,
-        "rollout.val_temperature": 1.5, "data.synthetic_val_size": 12, "data.val_batch_size": 5,
+        "rollout.val_temperature": 1.5, "rollout.val_top_p": 0.9, "data.synthetic_val_size": 12, "data.val_batch_size": 5,
         "reward.custom_function.path": str(reward), "trainer.default_local_dir": str(tmp_path)}))
     trainer = PPOTrainer(cfg)
     trainer.setup()
@@ -184,9 +184,10 @@ def test_validate_with_val_n_samples(ray_session, tiny_model_dir, tmp_path):
         metrics = trainer.validate()
 
         assert set(metrics) == OLD_VAL_KEYS | {"val/pass@1", "val/pass@2", "val/pass@4", "val/mean@4"}
-        # 12 prompts in chunks of 5, 5, 2; each asks for 4 samples at the validation temperature, seed 0
-        assert calls == [("generate", 5, (4, True, 0, False, 1.5)), ("generate", 5, (4, True, 0, False, 1.5)),
-                         ("generate", 2, (4, True, 0, False, 1.5))]
+        # 12 prompts in chunks of 5, 5, 2; each asks for 4 samples at the validation temperature and
+        # top-p, seed 0
+        assert calls == [("generate", 5, (4, True, 0, False, 1.5, 0.9)), ("generate", 5, (4, True, 0, False, 1.5, 0.9)),
+                         ("generate", 2, (4, True, 0, False, 1.5, 0.9))]
         accs = [a for chunk in scored for a in chunk[3]]
         scores = [s for chunk in scored for s in chunk[2]]
         assert len(accs) == 48 and 0 < sum(accs) < 48  # the reward leaves room for pass@k > pass@1
@@ -221,12 +222,12 @@ def test_validate_with_val_n_samples(ray_session, tiny_model_dir, tmp_path):
         trainer.cfg.rollout.val_n = 1
         calls.clear()
         assert set(trainer.validate()) == OLD_VAL_KEYS
-        assert calls == [("generate", 5, (1, True, 0, False, 1.5)), ("generate", 5, (1, True, 0, False, 1.5)),
-                         ("generate", 2, (1, True, 0, False, 1.5))]
+        assert calls == [("generate", 5, (1, True, 0, False, 1.5, 0.9)), ("generate", 5, (1, True, 0, False, 1.5, 0.9)),
+                         ("generate", 2, (1, True, 0, False, 1.5, 0.9))]
         trainer.cfg.rollout.val_do_sample = False
         calls.clear()
         greedy = trainer.validate()
-        assert set(greedy) == OLD_VAL_KEYS and calls[0] == ("generate", 5, (1, False, 0, False, 1.5))
+        assert set(greedy) == OLD_VAL_KEYS and calls[0] == ("generate", 5, (1, False, 0, False, 1.5, 0.9))
     finally:
         trainer.shutdown()
 

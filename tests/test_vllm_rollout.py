@@ -202,6 +202,17 @@ def test_seed_reproducible(ray_session, engine, tok):
     assert not torch.equal(d["responses"], e["responses"])
 
 
+def test_a_call_may_sample_at_another_top_p(ray_session, engine, tok):
+    """Validation samples at rollout.val_top_p: a tiny top_p keeps only the most likely token, so the
+    sampled responses are greedy's (vLLM's greedy is top-1 too)."""
+    batch = _batch(tok)
+    narrow = _gen(ray_session, engine, batch, n=2, do_sample=True, seed=3, return_log_probs=True, top_p=1e-6)
+    greedy = _gen(ray_session, engine, batch, n=2, do_sample=False)
+    assert torch.equal(narrow["responses"], greedy["responses"])
+    wide = _gen(ray_session, engine, batch, n=2, do_sample=True, seed=3)
+    assert not torch.equal(wide["responses"], greedy["responses"])
+
+
 def test_empty_prompt_is_an_error(ray_session, engine, tok):
     batch = _batch(tok, ["abc", "the answer is"])
     batch["attention_mask"][0] = 0

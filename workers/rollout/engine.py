@@ -54,7 +54,8 @@ class RolloutEngine:
     """Generates n responses per prompt; `load_weights` syncs the actor into it.
 
     Sampling (`temperature`, `top_p`, `top_k`) applies when `do_sample`; greedy otherwise. A call
-    may override the temperature (validation samples at rollout.val_temperature).
+    may override the temperature and top_p (validation samples at rollout.val_temperature and
+    rollout.val_top_p).
     """
 
     name = "engine"
@@ -79,7 +80,7 @@ class RolloutEngine:
                     seed=seed, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
 
     def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, n: int, do_sample: bool,
-                     seed: int | None, return_log_probs: bool, temperature: float
+                     seed: int | None, return_log_probs: bool, temperature: float, top_p: float
                      ) -> tuple[list[list[int]], list[list[float]] | None]:
         """B*n generated token lists in repeat_interleave order (row r answers prompt r // n), and
         with return_log_probs the log-prob of each of those tokens under the distribution it was
@@ -88,7 +89,8 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, batch: TensorDict, *, n: int, do_sample: bool, seed: int | None = None,
-                 return_log_probs: bool = False, temperature: float | None = None) -> TensorDict:
+                 return_log_probs: bool = False, temperature: float | None = None,
+                 top_p: float | None = None) -> TensorDict:
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
@@ -100,7 +102,8 @@ class RolloutEngine:
             raise ValueError(f"prompt {empty[0]} is empty (attention_mask all 0)")
         responses, log_probs = self.generate_ids(
             input_ids, attention_mask, n=n, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
-            temperature=self.temperature if temperature is None else float(temperature))
+            temperature=self.temperature if temperature is None else float(temperature),
+            top_p=self.top_p if top_p is None else float(top_p))
         return assemble_rollout(input_ids, attention_mask, responses, n, self.max_response_length,
                                 self.pad_token_id, self.eos_token_id, log_probs)
 

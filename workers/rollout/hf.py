@@ -42,13 +42,13 @@ class HFRollout(RolloutEngine):
         return cls(model_path, micro_batch_size=cfg.rollout.micro_batch_size,
                    **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
-    def _sampling_kwargs(self, do_sample: bool, temperature: float) -> dict:
+    def _sampling_kwargs(self, do_sample: bool, temperature: float, top_p: float) -> dict:
         if not do_sample:
             return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        return {"do_sample": True, "temperature": temperature, "top_p": self.top_p,
+        return {"do_sample": True, "temperature": temperature, "top_p": top_p,
                 "top_k": self.top_k if self.top_k > 0 else 0}
 
-    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature):
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p):
         prompt_width = input_ids.shape[1]
         generator_seed = self.seed if seed is None else seed
         response_ids: list[list[int]] = []
@@ -67,7 +67,7 @@ class HFRollout(RolloutEngine):
                 eos_token_id=self.eos_token_id,
                 output_scores=return_log_probs,
                 return_dict_in_generate=True,
-                **self._sampling_kwargs(do_sample, temperature),
+                **self._sampling_kwargs(do_sample, temperature, top_p),
             )
             generated = out.sequences[:, prompt_width:]
             token_log_probs = None

@@ -251,7 +251,8 @@ class VLLMRollout(RolloutEngine):
                    engine_in_process=True,  # the rollout Ray actor is the engine's dedicated process
                    **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
-    def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool, temperature: float):
+    def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool, temperature: float,
+                         top_p: float):
         from vllm import SamplingParams
 
         common = dict(
@@ -265,13 +266,13 @@ class VLLMRollout(RolloutEngine):
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(
             temperature=temperature,
-            top_p=self.top_p,
+            top_p=top_p,
             top_k=self.top_k if self.top_k > 0 else -1,
             seed=seed,
             **common,
         )
 
-    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature):
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p):
         prompt_lists = [[t for t, m in zip(ids, mask) if m]
                         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
         # each response row gets its own request and seed: row r = prompt r // n, sample r % n
@@ -283,7 +284,7 @@ class VLLMRollout(RolloutEngine):
                 row = i * samples_per_prompt + j
                 requests.append({"prompt_token_ids": tokens})
                 row_seed = (base_seed * 1_000_003 + row) % (2**63 - 1) if do_sample else None
-                params.append(self._sampling_params(do_sample, row_seed, return_log_probs, temperature))
+                params.append(self._sampling_params(do_sample, row_seed, return_log_probs, temperature, top_p))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
 
         responses: list[list[int]] = []
