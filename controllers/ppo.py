@@ -125,6 +125,9 @@ class PPOTrainer:
                 from rlflow.rewards.pool import pickle_reward_fn
 
                 pickle_reward_fn(reward_fn)  # the pool's processes get it pickled: fail now if it does not pickle
+            if self.cfg.reward.custom_function.path:
+                print(f"[rlflow] warning: reward_fn replaces reward.custom_function.path="
+                      f"{self.cfg.reward.custom_function.path} (that file is not loaded)", flush=True)
         self.reward_fn = reward_fn
         self.history: list[dict] = []
         self.groups = {}

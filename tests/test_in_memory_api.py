@@ -155,6 +155,12 @@ def test_an_unpicklable_reward_fn_fails_clearly_before_ray_starts(tiny_model_dir
         RLFlow(_cfg(tiny_model_dir, tmp_path, "x"), reward_fn="reward.py")
 
 
+def test_a_reward_fn_over_a_configured_reward_file_warns(tiny_model_dir, tmp_path, capsys):
+    PPOTrainer(_cfg(tiny_model_dir, tmp_path, "both", **{"reward.custom_function.path": "my_reward.py"}),
+               reward_fn=_make_reward())
+    assert "reward_fn replaces reward.custom_function.path=my_reward.py" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(600)
 def test_resume_with_in_memory_rows(ray_session, tiny_model_dir, tmp_path, capfd):
     rows = _rows(32)
