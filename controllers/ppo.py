@@ -169,7 +169,7 @@ class PPOTrainer:
         cfg = self.cfg
         source = replay or GeneratingSource(cfg, self.loader, self.groups["rollout"], self.score,
                                             weight_version=lambda: self.weight_version,
-                                            pad_token_id=self.tokenizer.pad_token_id)
+                                            pad_token_id=self.tokenizer.pad_token_id, agent=self.agent)
         if cfg.trainer.record_rollouts:
             source = RecordingSource(source, cfg.trainer.record_rollouts)
         return source
@@ -222,6 +222,11 @@ class PPOTrainer:
                                              fn=self.reward_fn)
         else:
             self.reward_manager = RewardManager(fn, on_error=reward.on_error)
+        self.env_pool = None
+        if self.cfg.rollout.agent.env:  # checked (and the class loaded) here, before Ray starts
+            from rlflow.agents import load_env_class
+
+            load_env_class(self.cfg.rollout.agent.env)
         self.score = Scorer(self.tokenizer, self.reward_manager, rule_weight=reward.rule_weight,
                             reward_model_weight=self.cfg.reward_model.weight)
         if self.cfg.reward_model.enable:  # its worker group starts with the others (_setup_workers)
@@ -268,6 +273,13 @@ class PPOTrainer:
             inits[name] = (method, self.groups[name].call_all_async(method, *args))
         for name, (method, futures) in inits.items():
             self.groups[name].gather(futures, method, startup=True)
+        self.agent = None
+        if cfg.rollout.agent.env and "rollout" in self.groups:
+            from controllers.agent_loop import AgentLoop
+            from rlflow.agents.pool import make_env_pool
+
+            self.env_pool = make_env_pool(cfg.rollout.agent, cfg.trainer.startup_timeout_s)
+            self.agent = AgentLoop(cfg, self.groups["rollout"], self.env_pool, self.tokenizer)
         if "reward_model" in self.groups:
             from rlflow.rewards.model import RewardModelClient
 
@@ -533,7 +545,8 @@ class PPOTrainer:
             "reward/score_mean": scores.mean().item(),
             "reward/reward_mean": batch["token_level_rewards"].sum(-1).mean().item(),
             "response/length_mean": lengths.mean().item(),
-            "response/clip_ratio": (lengths >= mask.shape[1]).float().mean().item(),
+            # the response (an agent's whole trajectory) filled data.max_response_length
+            "response/clip_ratio": (batch["attention_mask"][:, -1] == 1).float().mean().item(),
             "adv/mean": masked_mean(batch["advantages"], mask).item(),
             "returns/mean": masked_mean(batch["returns"], mask).item(),
         }
@@ -574,13 +587,17 @@ class PPOTrainer:
             chunk = collate(items[start : start + cfg.data.val_batch_size], self.val_dataset.pad_token_id)
             rows = {key: get_row_data(chunk, key) for key in ROW_DATA_KEYS}
             prompts = chunk.select("input_ids", "attention_mask", "position_ids")
-            pad = (-prompts.batch_size[0]) % cfg.rollout.dp_size
-            out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), n, cfg.rollout.val_do_sample, 0,
-                                                     False, cfg.rollout.val_temperature, cfg.rollout.val_top_p)
-            out = out[: prompts.batch_size[0] * n]  # row r answers prompt r // n
-            if n > 1:
+            if self.agent is not None:  # whole episodes, scored by their environments
+                out, token_scores, extras = self.agent.run(prompts, rows, n, cfg.rollout.val_do_sample, 0, False,
+                                                           cfg.rollout.val_temperature, cfg.rollout.val_top_p)
+            else:
+                pad = (-prompts.batch_size[0]) % cfg.rollout.dp_size
+                out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), n,
+                                                         cfg.rollout.val_do_sample, 0, False, cfg.rollout.val_temperature,
+                                                         cfg.rollout.val_top_p)
+                out = out[: prompts.batch_size[0] * n]  # row r answers prompt r // n
                 rows = {key: [v for v in vals for _ in range(n)] for key, vals in rows.items()}
-            token_scores, extras = self.score(out, rows)
+                token_scores, extras = self.score(out, rows)
             chunk_scores = token_scores.sum(-1).tolist()
             scores.extend(chunk_scores)
             accs.extend(extras.get("acc", []))
@@ -642,6 +659,9 @@ class PPOTrainer:
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self.reward_manager.close()  # the reward pool's processes
+        if getattr(self, "env_pool", None) is not None:
+            with contextlib.suppress(Exception):
+                self.env_pool.close()
         for group in self.groups.values():
             with contextlib.suppress(Exception):
                 group.kill()

@@ -103,8 +103,10 @@ class _Started:
     weight_version: int
     rows: dict
     num_prompts: int
-    sampled: list  # futures of the rollout group's generate, one per rank
+    sampled: list | None  # futures of the rollout group's generate, one per rank (None: an agent's episodes)
     greedy: list | None  # ReMax's greedy baseline generation
+    prompts: TensorDict | None = None  # an agent's prompts: its episodes run when the rollout is finished
+    gen_index: int = 0
 
 
 class GeneratingSource(RolloutSource):
@@ -113,19 +115,22 @@ class GeneratingSource(RolloutSource):
     with differing responses are kept (rlflow/algos/dynamic_sampling.py)."""
 
     def __init__(self, cfg, loader, rollout_group, scorer: Scorer, weight_version: Callable[[], int],
-                 pad_token_id: int = 0):
+                 pad_token_id: int = 0, agent=None):
         self.cfg = cfg
         self.loader = loader
         self.rollout = rollout_group
         self.score = scorer
         self.weight_version = weight_version
         self.pad_token_id = pad_token_id
+        self.agent = agent  # controllers/agent_loop.AgentLoop when rollout.agent.env is set
+
+    def _seed(self, step: int, gen_index: int) -> int:
+        # a refill (gen_index >= 1) draws other samples than the step's first batch
+        return self.cfg.trainer.seed * 1_000_003 + step + gen_index * 1_000_000_007
 
     def _generate(self, prompts: TensorDict, n: int, do_sample: bool, step: int, gen_index: int) -> list:
-        rollout = self.cfg.rollout
-        # a refill (gen_index >= 1) draws other samples than the step's first batch
-        seed = self.cfg.trainer.seed * 1_000_003 + step + gen_index * 1_000_000_007
-        return self.rollout.dispatch_dp_async("generate", prompts, n, do_sample, seed, rollout.calculate_log_probs)
+        return self.rollout.dispatch_dp_async("generate", prompts, n, do_sample, self._seed(step, gen_index),
+                                              self.cfg.rollout.calculate_log_probs)
 
     def start(self, step: int, gen_index: int = 0) -> _Started:
         from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
@@ -136,6 +141,10 @@ class GeneratingSource(RolloutSource):
         # the rollout group runs its calls in order: this generation uses the weights of every sync
         # dispatched before it, and no later one
         version = self.weight_version()
+        if self.agent is not None:
+            # an episode needs its environment between turns: it runs whole when finished (in step
+            # order, so runs repeat), with the weights of the syncs before that
+            return _Started(step, version, rows, prompts.batch_size[0], None, None, prompts, gen_index)
         sampled = self._generate(prompts, self.cfg.rollout.n, self.cfg.rollout.do_sample, step, gen_index)
         greedy = None
         if "reward_baselines" in estimator_inputs(self.cfg.algorithm.adv_estimator):
@@ -151,22 +160,32 @@ class GeneratingSource(RolloutSource):
 
     def _finish_one(self, started: _Started, timer) -> Rollout:
         n, rows = self.cfg.rollout.n, started.rows
-        with timer("gen"):
-            batch = self.rollout.collect_dp(started.sampled, "generate")
+        metrics = {}
+        if self.agent is not None:  # the environments' rewards are the scores
+            with timer("gen"):
+                batch, scores, extras = self.agent.run(started.prompts, rows, n, self.cfg.rollout.do_sample,
+                                                       self._seed(started.step, started.gen_index),
+                                                       self.cfg.rollout.calculate_log_probs)
+            metrics = extras.pop("metrics")
+            extras["num_reward_errors"] = extras.pop("num_env_errors")
+        else:
+            with timer("gen"):
+                batch = self.rollout.collect_dp(started.sampled, "generate")
+            with timer("reward"):
+                scores, extras = self.score(batch, {k: [v for v in vals for _ in range(n)] for k, vals in rows.items()})
         batch["group_index"] = torch.arange(started.num_prompts).repeat_interleave(n) + started.step * started.num_prompts
-        with timer("reward"):
-            scores, extras = self.score(batch, {k: [v for v in vals for _ in range(n)] for k, vals in rows.items()})
         for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores")):
             if key in extras:
                 batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
         buffer = self.cfg.reward.overlong_buffer
         if buffer.enable:  # training rewards only: validation reports the task's own score
             from rlflow.algos.dynamic_sampling import overlong_penalty
+            from rlflow.protocol import last_valid_index
 
-            lengths = batch["response_mask"].sum(-1)
-            penalty = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
-            last = (lengths.long() - 1).clamp(min=0).unsqueeze(1)
-            scores = scores.scatter_add(1, last, penalty.unsqueeze(1))
+            # the response up to its last model token (an agent's trajectory includes its observations)
+            last = last_valid_index(batch["response_mask"])
+            penalty = overlong_penalty(last + 1, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+            scores = scores.scatter_add(1, last.clamp(min=0).unsqueeze(1), penalty.unsqueeze(1))
             batch["overlong_penalty"] = penalty
         batch["token_level_scores"] = scores
         if started.greedy is not None:
@@ -175,7 +194,8 @@ class GeneratingSource(RolloutSource):
             with timer("reward"):
                 greedy_scores, _ = self.score(greedy, rows)
             batch["reward_baselines"] = greedy_scores.sum(-1).repeat_interleave(n)
-        return Rollout(batch, started.weight_version, {"num_reward_errors": extras.get("num_reward_errors", 0)})
+        return Rollout(batch, started.weight_version,
+                       {"num_reward_errors": extras.get("num_reward_errors", 0), "metrics": metrics})
 
     def _fill_groups(self, step: int, first: Rollout, timer) -> Rollout:
         """Dynamic sampling: keep the groups whose metric varies, generating further batches until
@@ -221,7 +241,8 @@ class GeneratingSource(RolloutSource):
         metrics = {"rollout/num_gen_batches": float(gen_index), "rollout/kept_groups_frac": num_kept / num_generated}
         if section.on_cap == "fill":
             metrics["rollout/filled_groups"] = float(filled)
-        return Rollout(batch, min(versions), {"num_reward_errors": num_errors, "metrics": metrics})
+        return Rollout(batch, min(versions), {"num_reward_errors": num_errors,
+                                              "metrics": {**first.extras.get("metrics", {}), **metrics}})
 
 
 def step_file(folder: str, step: int) -> str:

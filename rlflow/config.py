@@ -139,6 +139,19 @@ class ReferenceConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn rollouts with an environment (rlflow/agents): env=None is one response per prompt."""
+
+    env: str | None = None  # "file.py:Class" or "package.module:Class", a subclass of rlflow.agents.Environment
+    env_kwargs: dict = field(default_factory=dict)  # passed to the class for every trajectory
+    max_turns: int = 4  # model turns per trajectory at most
+    # environments run in this many Ray processes (rlflow/agents/pool.py); 0: in the driver, no timeout
+    num_workers: int = 2
+    timeout_s: float = 30.0  # seconds one reset or step call may run; then its process is killed
+    on_error: str = "raise"  # raise | zero: a failing, hung or crashing call stops the run, or ends its episode with reward 0
+
+
+@dataclass
 class RolloutConfig:
     name: str = "auto"  # hf | vllm | auto (vllm when importable) | <module>:<RolloutEngine subclass>
     dp_size: int = 1
@@ -161,6 +174,7 @@ class RolloutConfig:
     # actor -> rollout weights: shared_memory (a /dev/shm file, same node only), object_store (Ray),
     # auto (shared_memory when every rollout worker is on actor rank 0's node and it works there)
     weight_sync: str = "auto"
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -522,6 +536,21 @@ def _check_reward_model(cfg: DictConfig) -> None:
           f"reward_model.dtype={section.dtype!r} is not one of float32, bfloat16, float16")
 
 
+def _check_agent(cfg: DictConfig) -> None:
+    agent = cfg.rollout.agent
+    if not agent.env:
+        return
+    _need(agent.max_turns >= 1, f"rollout.agent.max_turns must be >= 1, got {agent.max_turns}")
+    _need(agent.num_workers >= 0, f"rollout.agent.num_workers must be >= 0 (0: in the driver), got {agent.num_workers}")
+    _need(0 < agent.timeout_s < float("inf"), f"rollout.agent.timeout_s must be a number of seconds > 0, got {agent.timeout_s}")
+    _need(agent.on_error in ("raise", "zero"), f"rollout.agent.on_error={agent.on_error!r} is not one of raise, zero")
+    # the environments' rewards are the scores
+    _need(not cfg.reward_model.enable, "rollout.agent.env: the environment rewards the episodes; reward_model.enable "
+                                       "is not supported with it")
+    _need(cfg.algorithm.adv_estimator != "remax", "rollout.agent.env: algorithm.adv_estimator=remax (a greedy "
+                                                  "baseline response per prompt) is not supported with it")
+
+
 def _check_dynamic_sampling(cfg: DictConfig) -> None:
     fg, buffer = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
     if fg.enable:
@@ -598,6 +627,7 @@ def validate_config(cfg: DictConfig) -> None:
           f"reward.timeout_s must be a number of seconds > 0, got {cfg.reward.timeout_s}")
     _need(cfg.reward.rule_weight >= 0, f"reward.rule_weight must be >= 0, got {cfg.reward.rule_weight}")
     _check_reward_model(cfg)
+    _check_agent(cfg)
     _check_dynamic_sampling(cfg)
     _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
     _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")

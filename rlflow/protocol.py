@@ -191,6 +191,13 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0)
 
 
+def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] mask -> [B] index of each row's last 1 (-1 for a row without one). With mask holes
+    (an agent's observations) this is not mask.sum() - 1."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    return torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).amax(dim=1)
+
+
 def concat_rollouts(batches: list[TensorDict], pad_token_id: int) -> TensorDict:
     """Rollout batches of different prompt widths (each left-padded to its longest prompt) as one
     batch: prompts re-padded on the left to the widest, responses unchanged (their width is

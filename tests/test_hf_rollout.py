@@ -123,7 +123,8 @@ class ReversingEngine(RolloutEngine):
         return cls(max_response_length=cfg.data.max_response_length, pad_token_id=pad_token_id,
                    eos_token_id=eos_token_id)
 
-    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p):
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p,
+                     max_new_tokens):
         rows = [[t for t, m in zip(ids, mask) if m][::-1] + [self.eos_token_id, 7, 7]
                 for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
         rows = [row for row in rows for _ in range(n)]

@@ -55,7 +55,8 @@ class RolloutEngine:
 
     Sampling (`temperature`, `top_p`, `top_k`) applies when `do_sample`; greedy otherwise. A call
     may override the temperature and top_p (validation samples at rollout.val_temperature and
-    rollout.val_top_p).
+    rollout.val_top_p) and generate fewer than data.max_response_length tokens (max_new_tokens: an
+    agent's turn, within what is left of the trajectory's budget).
     """
 
     name = "engine"
@@ -80,8 +81,8 @@ class RolloutEngine:
                     seed=seed, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
 
     def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, n: int, do_sample: bool,
-                     seed: int | None, return_log_probs: bool, temperature: float, top_p: float
-                     ) -> tuple[list[list[int]], list[list[float]] | None]:
+                     seed: int | None, return_log_probs: bool, temperature: float, top_p: float,
+                     max_new_tokens: int) -> tuple[list[list[int]], list[list[float]] | None]:
         """B*n generated token lists in repeat_interleave order (row r answers prompt r // n), and
         with return_log_probs the log-prob of each of those tokens under the distribution it was
         drawn from (greedy: the raw logits'). Trailing tokens after an EOS are cut by the caller."""
@@ -90,22 +91,25 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, batch: TensorDict, *, n: int, do_sample: bool, seed: int | None = None,
                  return_log_probs: bool = False, temperature: float | None = None,
-                 top_p: float | None = None) -> TensorDict:
+                 top_p: float | None = None, max_new_tokens: int | None = None) -> TensorDict:
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be [B, P]")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        width = self.max_response_length if max_new_tokens is None else int(max_new_tokens)
+        if not 1 <= width <= self.max_response_length:
+            raise ValueError(f"max_new_tokens={width} must be in [1, max_response_length={self.max_response_length}]")
         empty = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f"prompt {empty[0]} is empty (attention_mask all 0)")
         responses, log_probs = self.generate_ids(
             input_ids, attention_mask, n=n, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
             temperature=self.temperature if temperature is None else float(temperature),
-            top_p=self.top_p if top_p is None else float(top_p))
-        return assemble_rollout(input_ids, attention_mask, responses, n, self.max_response_length,
-                                self.pad_token_id, self.eos_token_id, log_probs)
+            top_p=self.top_p if top_p is None else float(top_p), max_new_tokens=width)
+        return assemble_rollout(input_ids, attention_mask, responses, n, width, self.pad_token_id, self.eos_token_id,
+                                log_probs)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError

@@ -48,7 +48,8 @@ class HFRollout(RolloutEngine):
         return {"do_sample": True, "temperature": temperature, "top_p": top_p,
                 "top_k": self.top_k if self.top_k > 0 else 0}
 
-    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p):
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p,
+                     max_new_tokens):
         prompt_width = input_ids.shape[1]
         generator_seed = self.seed if seed is None else seed
         response_ids: list[list[int]] = []
@@ -61,7 +62,7 @@ class HFRollout(RolloutEngine):
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=self.max_response_length,
+                max_new_tokens=max_new_tokens,
                 num_return_sequences=n if do_sample else 1,
                 pad_token_id=self.pad_token_id,
                 eos_token_id=self.eos_token_id,

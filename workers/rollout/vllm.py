@@ -252,12 +252,12 @@ class VLLMRollout(RolloutEngine):
                    **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
     def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool, temperature: float,
-                         top_p: float):
+                         top_p: float, max_new_tokens: int):
         from vllm import SamplingParams
 
         common = dict(
             n=1,
-            max_tokens=self.max_response_length,
+            max_tokens=max_new_tokens,
             stop_token_ids=[self.eos_token_id],
             logprobs=0 if return_log_probs else None,
             detokenize=False,
@@ -272,7 +272,8 @@ class VLLMRollout(RolloutEngine):
             **common,
         )
 
-    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p):
+    def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p,
+                     max_new_tokens):
         prompt_lists = [[t for t, m in zip(ids, mask) if m]
                         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
         # each response row gets its own request and seed: row r = prompt r // n, sample r % n
@@ -284,7 +285,8 @@ class VLLMRollout(RolloutEngine):
                 row = i * samples_per_prompt + j
                 requests.append({"prompt_token_ids": tokens})
                 row_seed = (base_seed * 1_000_003 + row) % (2**63 - 1) if do_sample else None
-                params.append(self._sampling_params(do_sample, row_seed, return_log_probs, temperature, top_p))
+                params.append(self._sampling_params(do_sample, row_seed, return_log_probs, temperature, top_p,
+                                                    max_new_tokens))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
 
         responses: list[list[int]] = []

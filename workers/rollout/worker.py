@@ -36,10 +36,11 @@ class RolloutWorker(WorkerBase):
         return name
 
     def generate(self, batch: TensorDict, n: int, do_sample: bool, seed: int | None, return_log_probs: bool = True,
-                 temperature: float | None = None, top_p: float | None = None) -> TensorDict:
+                 temperature: float | None = None, top_p: float | None = None,
+                 max_new_tokens: int | None = None) -> TensorDict:
         seed = None if seed is None else seed + 7919 * self.rank
         return self.engine.generate(batch, n=n, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
-                                    temperature=temperature, top_p=top_p)
+                                    temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(state_dict)

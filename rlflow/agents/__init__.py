@@ -1,0 +1,88 @@
+"""Multi-turn, tool-using rollouts: the environment interface.
+
+An environment plays one episode per trajectory. The driver's agent loop
+(controllers/agent_loop.py) generates a model turn for every live trajectory, hands each turn's
+text to its environment, and appends the observation it returns as token ids; the model's tokens
+are never decoded and re-encoded, so what the model produced is what is trained on.
+
+    env = MyEnv(**rollout.agent.env_kwargs)          # one instance per trajectory
+    first = env.reset(row)                           # text appended after the prompt ("" for none)
+    result = env.step(model_turn)                    # StepResult(observation, reward, done, info)
+
+`row` is the dataset row: {"data_source", "ground_truth", "extra_info", "raw_prompt",
+"source_prompt"}. `reward` is the reward for the turn just taken (placed on its last token);
+`done` ends the episode (the observation is then not appended). `info` may carry "acc" (the
+final step's accuracy, for reward/acc_mean and validation). An episode also ends after
+rollout.agent.max_turns model turns or when the trajectory reaches data.max_response_length
+tokens.
+
+Environments are brought by import path (`rollout.agent.env=my_envs.py:Calculator` or
+`package.module:Calculator`), like reward functions. They run in rollout.agent.num_workers Ray
+processes (rlflow/agents/pool.py): a call that runs past rollout.agent.timeout_s or kills its
+process is handled by rollout.agent.on_error like a failing reward function. The other episodes of
+a replaced process are restored by replaying their turns, so an environment must be deterministic
+given (row, turns so far).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+
+__all__ = ["Environment", "StepResult", "load_env_class"]
+
+
+@dataclass
+class StepResult:
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Environment:
+    """Subclass and implement reset and step (plain methods; `async def` is not supported)."""
+
+    def reset(self, row: dict) -> str:
+        raise NotImplementedError
+
+    def step(self, model_turn: str) -> StepResult:
+        raise NotImplementedError
+
+
+def load_env_class(spec: str) -> type:
+    """`path/to/file.py:Class` or `package.module:Class` -> the class (a subclass of Environment).
+    Errors name the key rollout.agent.env."""
+    module_name, sep, class_name = str(spec).rpartition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"rollout.agent.env={spec!r}: expected 'file.py:Class' or 'package.module:Class'")
+    if module_name.endswith(".py"):
+        path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"rollout.agent.env={spec!r}: no file {path}")
+        unique = f"rlflow_env_{abs(hash(path))}"
+        module = sys.modules.get(unique)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(unique, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[unique] = module
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as err:
+                del sys.modules[unique]
+                raise ImportError(f"rollout.agent.env={spec!r}: {path} failed to load: "
+                                  f"{type(err).__name__}: {err}") from err
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ImportError(f"rollout.agent.env={spec!r}: cannot import {module_name}: {err}") from err
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise AttributeError(f"rollout.agent.env={spec!r}: {module_name} has no {class_name}")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise TypeError(f"rollout.agent.env={spec!r}: {class_name} is not a subclass of rlflow.agents.Environment")
+    return cls
