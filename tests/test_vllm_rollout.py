@@ -400,3 +400,32 @@ def test_one_step_stale_vllm_rollout_with_a_critic(ray_session, tiny_model_dir, 
     assert metrics_of(replay.fit()) == metrics_of(history)
     for role, weights in live.final_weights.items():
         assert all(torch.equal(t, replay.final_weights[role][k]) for k, t in weights.items()), role
+
+
+def test_agent_episodes_with_vllm_log_probs_of_model_tokens(ray_session, tmp_path):
+    """The multi-turn agent loop on vLLM: trajectories with observation holes, whose model tokens'
+    rollout log-probs equal the HF actor's over the whole trajectory (observations in context)."""
+    import os
+
+    from conftest import tiny_overrides
+    from controllers.rollout_source import read_recorded
+    from exactness_helpers import build_varied_length_model
+    from rlflow import RLFlow, load_config
+    from workers.forward import response_log_probs
+
+    model_dir = build_varied_length_model(str(tmp_path / "model"))
+    envs = os.path.join(os.path.dirname(__file__), "agent_loop_envs.py")
+    cfg = load_config(None, tiny_overrides(model_dir, **{
+        "rollout.name": "vllm", "rollout.agent.env": f"{envs}:CountingEnv", "rollout.agent.max_turns": 3,
+        "rollout.agent.num_workers": 0, "data.max_response_length": 16, "algorithm.adv_estimator": "grpo",
+        "trainer.total_steps": 1, "trainer.default_local_dir": str(tmp_path),
+        "trainer.record_rollouts": str(tmp_path / "rec")}))
+    history = RLFlow(cfg).fit()
+    assert history[-1]["agent/turns_mean"] > 1
+    batch = read_recorded(str(tmp_path / "rec"), 0).batch
+    mask = batch["response_mask"]
+    trajectory = batch["attention_mask"][:, batch["prompts"].shape[1]:]
+    assert (trajectory - mask).sum() > 0, "no observation holes"
+    with torch.no_grad():
+        actor, _ = response_log_probs(_hf_model(model_dir), batch, 1.0)
+    assert _max_diff(batch["rollout_log_probs"], actor, mask) < TOL
