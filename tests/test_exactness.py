@@ -23,6 +23,7 @@ its tolerance, is printed in the terminal summary. Fits that differ only in layo
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -67,6 +68,11 @@ FAMILIES = {
            "actor.ppo_mini_batch_size": 16, "trainer.total_steps": 1, "rollout.temperature": 0.7,
            "actor.optim.name": "sgd", "critic.optim.name": "sgd", "actor.optim.lr": SGD_LR["actor"], "critic.optim.lr": SGD_LR["critic"]},
 }
+# multi-turn: trajectories of 1-3 model turns with observation holes (tests/agent_loop_envs.py),
+# token-mean actor and critic with plain SGD, as S1
+FAMILIES["M1"] = {**FAMILIES["S1"], "data.max_response_length": 16, "rollout.agent.max_turns": 3,
+                  "rollout.agent.num_workers": 0,
+                  "rollout.agent.env": os.path.join(os.path.dirname(__file__), "agent_loop_envs.py") + ":CountingEnv"}
 WHOLE = {"actor.ppo_micro_batch_size_per_gpu": MINI}  # one micro-batch = the whole per-rank shard
 LAYOUTS = {
     "whole": WHOLE,
@@ -108,6 +114,9 @@ FITS = {
     "S1/dp2-dyn": ("S1", "dp2-dyn", {}),
     "S1/whole-doubled": ("S1", "whole", {"workers": exactness_workers.DOUBLED_GRADIENT, "steps": 1}),
     "A1/mb4": ("A1", "mb4", {}),
+    "genM": ("M1", "whole", {"record": True}),
+    "M1/whole": ("M1", "whole", {"replay": "genM"}),
+    "M1/dp2-mb2": ("M1", "dp2-mb2", {"replay": "genM"}),
 }
 # layouts that must be equivalent (within tolerance)
 PAIRS = [
@@ -120,6 +129,7 @@ PAIRS = [
     ("S1/whole", "S1/dp2-mb2"),  # token-mean, SGD: FSDP2 dp=2, 2 micro-batches per rank, unequal tokens
     ("S1/whole", "S1/dp2-ddp-mb2"),  # the same under DDP
     ("S1/whole", "S1/dp2-dyn"),  # token budget at dp=2
+    ("M1/whole", "M1/dp2-mb2"),  # multi-turn with mask holes: FSDP2 dp=2, 2 micro-batches per rank
 ]
 
 _REPORT: list[str] = []
@@ -157,8 +167,8 @@ class Fits:
                 path = self.record_path if name == "gen1" else str(self.tmp.mktemp("exactness_rollouts") / name)
                 overrides["trainer.record_rollouts"] = path
             else:
-                self["gen1"]  # the recording every replay reads
-                overrides["trainer.replay_rollouts"] = self.record_path
+                source = extra.get("replay", "gen1")  # the recording this fit replays
+                overrides["trainer.replay_rollouts"] = self[source].record_path
             result = run_fit(self.model_dir, str(self.tmp.mktemp("exactness_run")), workers=extra.get("workers"),
                              **overrides)
             result.record_path = overrides.get("trainer.record_rollouts")
@@ -190,6 +200,18 @@ def test_recorded_rollout_has_uneven_masks(fits):
     assert len(set(flat)) >= 3, f"recorded response lengths barely vary: {lengths}"
     assert min(flat) >= 1 and max(flat) <= 6
     _REPORT.append(f"recorded response lengths per step: {lengths}")
+
+
+def test_multi_turn_recording_has_holes_and_mixed_turn_counts(fits):
+    """The M1 family's rollouts: observation tokens inside trajectories (attention 1, mask 0), and
+    rows of one step with different numbers of model turns."""
+    for step, batch in recorded_batches(fits["genM"].record_path).items():
+        width = batch["prompts"].shape[1]
+        mask, trajectory = batch["response_mask"], batch["attention_mask"][:, width:]
+        assert (trajectory - mask).sum() > 0, f"step {step}: no observation holes"
+        turns = [sum(1 for i in range(len(row)) if row[i] == 1 and (i == 0 or row[i - 1] == 0)) for row in mask.tolist()]
+        assert len(set(turns)) > 1, f"step {step}: every row has {turns[0]} turns"
+    assert fits["genM"].steps()[0]["agent/turns_mean"] > 1
 
 
 def test_deterministic_mode_reproduces_a_generating_run(fits):
@@ -229,7 +251,7 @@ def test_layouts_ran_as_configured(fits):
 
     assert micro("F1/whole") == [1.0] * 3 and micro("F1/mb1") == [8.0] * 3 and micro("F5/mb2") == [4.0] * 3
     assert micro("F3/dp2") == [1.0] * 3  # 4 rows per rank in one micro-batch
-    for name in ("F5/dp2-ddp-mb2", "S1/dp2-mb2", "S1/dp2-ddp-mb2"):  # 4 rows per rank in 2 micro-batches
+    for name in ("F5/dp2-ddp-mb2", "S1/dp2-mb2", "S1/dp2-ddp-mb2", "M1/dp2-mb2"):  # 4 rows per rank in 2 micro-batches
         assert micro(name) == [2.0] * 3, name
     assert all(n >= 2 for name in ("F2/dyn", "F4/dp2-dyn", "S1/dp2-dyn") for n in micro(name))
 
