@@ -18,7 +18,10 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class ResourcePool:
-    """A placement group of `num_bundles` bundles; colocated roles put rank i on bundle i."""
+    """A placement group of `num_bundles` bundles; colocated roles put rank i on bundle i.
+
+    PACK puts the bundles on as few nodes as possible, and on more when one node cannot hold them
+    all: on a cluster, a role's ranks spread over the nodes that have room (README "Multi-node")."""
 
     num_bundles: int
     cpus_per_bundle: float
@@ -36,11 +39,21 @@ class ResourcePool:
             remove_placement_group(self.pg)
             raise WorkerError(
                 f"resource pool {self.name!r}: {self.num_bundles} bundles of {bundle} could not be reserved "
-                f"within {self.timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
+                f"within {self.timeout_s:.0f} s; the cluster has {ray.cluster_resources()}{_per_node()}"
             )
 
     def remove(self) -> None:
         remove_placement_group(self.pg)
+
+
+def _per_node() -> str:
+    """Each node's resources, when there are several: a bundle must fit on one node."""
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    if len(nodes) < 2:
+        return ""
+    shown = [{k: v for k, v in res.items() if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+             for res in nodes]
+    return f" over {len(nodes)} nodes ({'; '.join(map(str, shown))}), and each bundle must fit on one node"
 
 
 def get_with_timeout(futures: list, what: list[str], timeout_s: float,
@@ -130,10 +143,17 @@ class RayWorkerGroup:
             if env:
                 options["runtime_env"] = {"env_vars": dict(env)}
             self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size, num_threads))
+        # which node each rank landed on; a group across nodes binds its collectives to an
+        # interface the other nodes reach (trainer.dist_interface, workers/base.py)
+        self.node_ids = self._get(self.call_all_async("node_id"), "node_id", startup=True)
+        spans_nodes = len(set(self.node_ids)) > 1
+        self.network = (self._get(self.call_all_async("bind_network", spans_nodes), "bind_network", startup=True)
+                        if world_size > 1 else [])
         # the group picks rank 0's address and a free port on its host
-        master_addr, master_port = self._get([self.workers[0].node_address.remote()], "node_address", ranks=[0],
-                                             startup=True)[0]
-        self._get(self.call_all_async("init_distributed", master_addr, master_port), "init_distributed", startup=True)
+        self.master_addr, master_port = self._get([self.workers[0].node_address.remote(spans_nodes)], "node_address",
+                                                  ranks=[0], startup=True)[0]
+        self._get(self.call_all_async("init_distributed", self.master_addr, master_port), "init_distributed",
+                  startup=True)
 
     def _labels(self, method: str, ranks) -> list[str]:
         return [f"{self.role} rank {r}: {method}" for r in ranks]

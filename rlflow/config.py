@@ -316,6 +316,11 @@ class TrainerConfig:
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
     colocate: bool = True  # all roles share one placement group of bundles
     cpus_per_worker: float = 0.5
+    # where a role's ranks meet for torch.distributed (gloo/NCCL), on a cluster of several nodes:
+    # null: rank 0's node IP as Ray sees it (loopback when the group is on one node); a network
+    # interface name ("eth0"): its IPv4 address on rank 0's node, and GLOO/NCCL_SOCKET_IFNAME on
+    # every rank; an IPv4 address of rank 0's node (every role with several ranks has rank 0 there)
+    dist_interface: str | None = None
     grad_probes: GradProbeConfig = field(default_factory=GradProbeConfig)
 
 
@@ -570,6 +575,24 @@ def _check_dynamic_sampling(cfg: DictConfig) -> None:
         _need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got {buffer.penalty_factor}")
 
 
+def _check_dist_interface(value) -> None:
+    """An IPv4 address or something that can be an interface name (at most 15 characters, Linux's
+    limit); whether the interface exists is checked on the nodes (workers/base.py)."""
+    if value is None:
+        return
+    import ipaddress
+
+    text = str(value)
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        _need(0 < len(text) <= 15 and not any(c.isspace() or c in "/:" for c in text),
+              f"trainer.dist_interface={text!r} is neither an IPv4 address nor a network interface name "
+              "(e.g. eth0; null: the node's IP as Ray sees it)")
+        return
+    _need(address.version == 4, f"trainer.dist_interface={text!r}: give an IPv4 address or an interface name")
+
+
 def validate_config(cfg: DictConfig) -> None:
     data, rollout, algo, trainer = cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
     _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
@@ -638,6 +661,7 @@ def validate_config(cfg: DictConfig) -> None:
     if trainer.resume_mode not in ("auto", "disable"):
         _need(os.path.isdir(trainer.resume_mode),
               f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")
+    _check_dist_interface(trainer.dist_interface)
     _need(trainer.grad_probes.num_projections >= 0,
           f"trainer.grad_probes.num_projections must be >= 0, got {trainer.grad_probes.num_projections}")
     for opt_role in ("actor", "critic"):

@@ -13,10 +13,55 @@ import torch.distributed as dist
 from rlflow.config import RLFlowConfig
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+# -- where the process group meets (trainer.dist_interface) -------------------------------------
+DIST_KEY = "trainer.dist_interface"
+
+
+def is_ip_address(value: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """{interface name: its IPv4 addresses} of this machine."""
+    import psutil  # a dependency of Ray
+
+    return {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def interface_ipv4(name: str, where: str) -> str:
+    """The IPv4 address of network interface `name` on this machine; an error naming the key."""
+    interfaces = interface_addresses()
+    if name not in interfaces:
+        raise ValueError(f"{DIST_KEY}={name!r}: {where} has no network interface of that name; it has "
+                         f"{', '.join(sorted(interfaces)) or 'none'} (set an interface every node has, or "
+                         "null: the node's IP as Ray sees it)")
+    if not interfaces[name]:
+        raise ValueError(f"{DIST_KEY}={name!r}: the interface has no IPv4 address on {where}")
+    return interfaces[name][0]
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's interface that holds `ip`, if any."""
+    return next((name for name, addrs in interface_addresses().items() if ip in addrs), None)
+
+
+def ray_node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -107,9 +152,50 @@ class WorkerBase:
         _quiet_libraries()
 
     # -- called by the group --------------------------------------------------------------------
-    def node_address(self) -> tuple[str, int]:
-        """Where rank 0 listens for the process group: this host and a free port."""
-        return "127.0.0.1" if self.device.type == "cpu" else socket.gethostbyname(socket.gethostname()), free_port()
+    def bind_network(self, spans_nodes: bool) -> dict:
+        """Before init_distributed, on every rank of a group of several: the network interface the
+        collectives use. An interface named by trainer.dist_interface becomes GLOO_SOCKET_IFNAME and
+        NCCL_SOCKET_IFNAME; otherwise, in a group that spans nodes, gloo binds the interface that
+        holds this node's IP as Ray sees it (unless GLOO_SOCKET_IFNAME is set): gloo's default, the
+        address the host name resolves to, is often a loopback address (127.0.1.1 in /etc/hosts)
+        that the other nodes cannot reach. NCCL picks its interface itself unless configured."""
+        setting = self.cfg.trainer.dist_interface
+        node_ip = ray_node_ip()
+        if setting and not is_ip_address(setting):
+            interface_ipv4(setting, f"the node {node_ip} of {self.role} rank {self.rank}")  # it exists here
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = setting
+        elif spans_nodes and self.device.type == "cpu" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = interface_of(node_ip)
+            if interface:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+        return {"node_ip": node_ip, "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+                "nccl": os.environ.get("NCCL_SOCKET_IFNAME")}
+
+    def node_address(self, spans_nodes: bool = False) -> tuple[str, int]:
+        """Where rank 0 listens for the process group: a host and a free port there.
+
+        trainer.dist_interface: an interface name -> its IPv4 address on this node; an IP -> that
+        IP (it must be this node's); null -> this node's IP as Ray sees it when the group spans
+        nodes, else (one node) loopback on CPU and the host name's address on GPU, as always."""
+        setting = self.cfg.trainer.dist_interface
+        if self.world_size == 1:  # no process group forms (init_distributed)
+            return "127.0.0.1", free_port()
+        where = f"the node of {self.role} rank {self.rank} (IP {ray_node_ip()})" if setting else ""
+        if setting and is_ip_address(setting):
+            host = setting
+        elif setting:
+            host = interface_ipv4(setting, where)
+        elif spans_nodes:
+            host = ray_node_ip()
+        else:
+            host = "127.0.0.1" if self.device.type == "cpu" else socket.gethostbyname(socket.gethostname())
+        try:
+            return host, free_port(host)
+        except OSError as err:
+            if not setting:
+                raise
+            raise ValueError(f"{DIST_KEY}={setting!r}: {host} is not an address {where} can listen on "
+                             f"({err}); set rank 0's node IP, an interface name, or null") from err
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         if self.world_size == 1:
