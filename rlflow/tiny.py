@@ -17,6 +17,16 @@ and prefers the wrong one, so greedy decoding is mostly wrong while sampling at 
 the rewarded strategy: RL has a clear, quickly learnable signal (choose the strategy the reward
 favours), which is what an RL stage on top of a pretrained model does at scale. A plain,
 undertrained SFT (correct_frac=1.0, fewer steps) left RL almost nothing to gain in 40 steps.
+
+Multi-turn tool tasks (``AGENT_TASKS``: "calc", long additions with a calculator tool,
+rlflow.agents.calculator) are warm-started the same way on *episodes*: the demonstrator plays each
+train row against the task's environment, calling the tool in a fraction ``correct_frac`` of the
+episodes ("@a+b" EOS, observation "=sum", "sum" EOS) and otherwise answering at once with the
+distractor (add without carry: right only by luck). The SFT example is laid out exactly as the agent
+loop builds a trajectory (``encode_episode``): prompt ids, then each model turn's ids + EOS
+(trained on) followed by the observation's ids (label -100). Such tasks take their SFT options from
+``TASK_SFT_DEFAULTS`` over SFT_DEFAULTS; the other tasks' options, and so their cache entries, are
+unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +52,11 @@ __all__ = [
     "warm_start",
     "cache_root",
     "evaluate_exact_match",
+    "AGENT_TASKS",
+    "TASK_SFT_DEFAULTS",
+    "encode_episode",
+    "agent_demos",
+    "agent_sft_examples",
 ]
 
 #: Bump when a change here changes what warm_start produces, so old cache entries are not reused.
@@ -79,6 +94,22 @@ SFT_DEFAULTS: dict = {
     "grad_clip": 1.0,
     # fraction of SFT targets that are right; the rest are the task's distractor (see above)
     "correct_frac": 0.4,
+}
+
+#: Multi-turn tasks whose warm start imitates episodes played against an environment
+#: ("module:Class", constructed without arguments); see agent_demos.
+AGENT_TASKS: dict[str, str] = {
+    "calc": "rlflow.agents.calculator:CalculatorEnv",
+}
+
+#: Per-task overrides of SFT_DEFAULTS (same keys). A task not listed here uses SFT_DEFAULTS as they
+#: are, so adding an entry never changes another task's cache key. For "calc", correct_frac is the
+#: fraction of demonstrations that call the tool.
+TASK_SFT_DEFAULTS: dict[str, dict] = {
+    # 800 steps: copying the operands into the call and the result into the answer is learnt by
+    # ~500, but the first digit of the direct answer only outweighs "@" (30%) later; before that,
+    # greedy decoding calls the tool on most prompts and there is little left for RL to improve
+    "calc": {"correct_frac": 0.3, "steps": 800},
 }
 
 
@@ -264,14 +295,113 @@ def _sft_batch(examples, pad_id):
     return ids, mask, labels
 
 
+# -- multi-turn (agent) warm start ---------------------------------------------------------------
+
+
+def _agent_env(task: str):
+    import importlib
+
+    module, _, cls = AGENT_TASKS[task].rpartition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def _calc_demo(env, row: dict, use_tool: bool) -> tuple[list[str], list[str]]:
+    """One episode of the calc demonstrator: (turns, observations after each turn but the last)."""
+    from rlflow.data.synthetic import CALC_CALL_PREFIX, CALC_RESULT_PREFIX, get_task
+
+    prompt, truth = row["prompt"], row["reward_model"]["ground_truth"]
+    if not use_tool:
+        answer = get_task("calc").distractor(prompt, truth)
+        env.step(answer)
+        return [answer], []
+    call = CALC_CALL_PREFIX + prompt.rstrip("=")
+    result = env.step(call)
+    assert not result.done and result.observation.startswith(CALC_RESULT_PREFIX), result
+    answer = result.observation[len(CALC_RESULT_PREFIX):]
+    final = env.step(answer)
+    assert final.done and final.info["acc"] == 1.0, (row, final)
+    return [call, answer], [result.observation]
+
+
+_DEMONSTRATORS = {"calc": _calc_demo}
+
+
+def agent_demos(task: str, rows: list[dict], correct_frac: float, seed: int) -> list[dict]:
+    """The demonstrator's episodes, one per row: {"prompt", "first_observation", "turns",
+    "observations"} (``observations[i]`` follows ``turns[i]``; the last turn has none). An episode
+    uses the tool with probability ``correct_frac`` (drawn per row with ``seed``), else answers at
+    once with the task's distractor; observations come from the task's environment."""
+    rng = random.Random(seed * 1_000_003 + 17)
+    demos = []
+    for row in rows:
+        env = _agent_env(task)
+        first = env.reset({"ground_truth": row["reward_model"]["ground_truth"],
+                           "data_source": row["data_source"], "extra_info": row.get("extra_info", {}),
+                           "raw_prompt": row["prompt"], "source_prompt": row["prompt"]})
+        use_tool = correct_frac >= 1.0 or rng.random() < correct_frac
+        turns, observations = _DEMONSTRATORS[task](env, row, use_tool)
+        demos.append({"prompt": row["prompt"], "first_observation": first, "turns": turns,
+                      "observations": observations})
+    return demos
+
+
+def encode_episode(tok, prompt: str, first_observation: str, turns: list[str],
+                   observations: list[str]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one episode laid out as the agent loop builds a trajectory: the prompt's ids
+    (``tok(prompt)["input_ids"]``, as rlflow.data.dataset encodes a plain-string prompt), the first
+    observation's ids if it is not empty, then per turn its ids + EOS (labels = the ids) and, but
+    after the last turn, the observation's ids (labels -100)."""
+    if len(observations) != len(turns) - 1:
+        raise ValueError(f"{len(turns)} turns need {len(turns) - 1} observations, got {len(observations)}")
+    eos = tok.eos_token_id
+    ids = list(tok(prompt)["input_ids"])
+    if first_observation:
+        ids += tok.encode(first_observation, add_special_tokens=False)
+    labels = [-100] * len(ids)
+    for i, turn in enumerate(turns):
+        t = tok.encode(turn, add_special_tokens=False) + [eos]
+        ids += t
+        labels += t
+        if i < len(observations):
+            o = tok.encode(observations[i], add_special_tokens=False)
+            ids += o
+            labels += [-100] * len(o)
+    return ids, labels
+
+
+def agent_sft_examples(tok, task: str, rows: list[dict], correct_frac: float, seed: int):
+    """The SFT examples of a multi-turn task: (ids, labels) per row (see encode_episode)."""
+    return [encode_episode(tok, d["prompt"], d["first_observation"], d["turns"], d["observations"])
+            for d in agent_demos(task, rows, correct_frac, seed)]
+
+
+def _sft_batch_labelled(examples, pad_id):
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    ids_t = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels_t = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (ids, labels) in enumerate(examples):
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        labels_t[i, : len(ids)] = torch.tensor(labels)
+        mask[i, : len(ids)] = 1
+    return ids_t, mask, labels_t
+
+
 def _run_sft(model, tok, task: str, task_kwargs: dict, sft: dict, log) -> dict:
     import torch
 
     from rlflow.data.synthetic import make_synthetic_rows
 
     rows = make_synthetic_rows(task, sft["num_rows"], seed=sft["seed"], split="train", **task_kwargs)
-    targets = sft_targets(task, rows, sft["correct_frac"], sft["seed"])
-    examples = _encode_sft_rows(tok, rows, targets)
+    if task in AGENT_TASKS:
+        examples = agent_sft_examples(tok, task, rows, sft["correct_frac"], sft["seed"])
+        collate = _sft_batch_labelled
+    else:
+        targets = sft_targets(task, rows, sft["correct_frac"], sft["seed"])
+        examples = _encode_sft_rows(tok, rows, targets)
+        collate = _sft_batch
     gen = torch.Generator().manual_seed(sft["seed"])
     opt = torch.optim.AdamW(
         model.parameters(), lr=sft["lr"], weight_decay=sft["weight_decay"], betas=(0.9, 0.98)
@@ -289,7 +419,7 @@ def _run_sft(model, tok, task: str, task_kwargs: dict, sft: dict, log) -> dict:
             pos = 0
         batch = [examples[j] for j in order[pos : pos + bs]]
         pos += bs
-        ids, mask, labels = _sft_batch(batch, tok.pad_token_id)
+        ids, mask, labels = collate(batch, tok.pad_token_id)
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -331,7 +461,8 @@ def warm_start(
     """Return a model folder for ``task``: tiny Qwen2 + tokenizer, SFT-ed on synthetic train rows.
 
     ``sft_kwargs`` override SFT_DEFAULTS (steps, batch_size, lr, warmup_steps, weight_decay,
-    num_rows, seed, grad_clip); ``model`` overrides MODEL_DEFAULTS; ``task_kwargs`` are passed to
+    num_rows, seed, grad_clip, correct_frac), themselves overridden for the task by
+    TASK_SFT_DEFAULTS; ``model`` overrides MODEL_DEFAULTS; ``task_kwargs`` are passed to
     the task generator. The folder is ``<cache>/warm/<task>-<hash>``, the hash covering all of
     these and CODE_VERSION; if it exists it is returned at once. It is written to a temporary
     folder beside it and renamed into place, so an interrupted run leaves no partial folder.
@@ -343,7 +474,7 @@ def warm_start(
     unknown = set(sft_kwargs) - set(SFT_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown SFT option(s) {sorted(unknown)}; known: {sorted(SFT_DEFAULTS)}")
-    sft = {**SFT_DEFAULTS, **sft_kwargs}
+    sft = {**SFT_DEFAULTS, **TASK_SFT_DEFAULTS.get(task, {}), **sft_kwargs}
     mkw = {**MODEL_DEFAULTS, **(model or {})}
     _qwen2_config(300, 0, 1, **mkw)  # validate the model options before doing any work
 
