@@ -136,22 +136,13 @@ def test_a_ppo_run_with_a_critic_and_validation(ray_session, model_dir, tmp_path
     runs whole episodes, the counts the update
     used are the model tokens only (BatchMeta of the masked batch), and acc comes from the env."""
     from controllers.rollout_source import read_recorded
-    from inspecting_workers import MetaRecordingCritic
-    from trainers import CapturingTrainer
-
-    class Trainer(CapturingTrainer):
-        seen_meta: list = []
-
-        def train_step(self, step):
-            metrics = super().train_step(step)
-            self.seen_meta.append(self.groups["critic"].call_all("seen_meta")[0])
-            return metrics
+    from trainers import CriticMetaTrainer
 
     base = str(tmp_path / "ppo")
     cfg = _config(model_dir, base, **{"algorithm.adv_estimator": "gae", "trainer.val_before_train": True,
                                            "rollout.agent.num_workers": 2,  # the Ray process pool
                                            "trainer.test_freq": 2, "actor.ppo_epochs": 1, "critic.ppo_epochs": 1})
-    trainer = Trainer(cfg, worker_classes={"critic": MetaRecordingCritic})
+    trainer = CriticMetaTrainer(cfg)
     history = trainer.fit()
     assert {"val/acc_mean", "val/score_mean"} <= set(history[0]) and "val/acc_mean" in history[-1]
     for step, metrics in enumerate(history[1:]):

@@ -81,21 +81,12 @@ def test_dynamic_sampling_fills_exactly_train_batch_size_groups(ray_session, tin
     than one generation batch where needed; each prompt at most once; the critic's BatchMeta is that
     of the filtered batch (computed after the refill)."""
     from controllers.rollout_source import read_recorded
-    from inspecting_workers import MetaRecordingCritic
-    from trainers import CapturingTrainer
-
-    class Trainer(CapturingTrainer):
-        seen_meta: list = []
-
-        def train_step(self, step):
-            metrics = super().train_step(step)
-            self.seen_meta.append(self.groups["critic"].call_all("seen_meta")[0])
-            return metrics
+    from trainers import CriticMetaTrainer
 
     base = str(tmp_path / "run")
     config = _filtered_config(tiny_model_dir, base, **{"algorithm.adv_estimator": "gae", "actor.ppo_epochs": 1, "trainer.total_steps": 3,
                                                        "critic.ppo_epochs": 1})
-    trainer = Trainer(config, worker_classes={"critic": MetaRecordingCritic})
+    trainer = CriticMetaTrainer(config)
     history = trainer.fit()
     prompts, num_gen = [], []
     for step, metrics in enumerate(history):

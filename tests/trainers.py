@@ -34,3 +34,19 @@ class StepWeightsTrainer(CapturingTrainer):
         metrics = super().train_step(step)
         self.actor_versions.append(self.final_weights["actor"] if self.final_weights else self.gather_weights()["actor"])
         return metrics
+
+
+class CriticMetaTrainer(CapturingTrainer):
+    """With the critic worker inspecting_workers.MetaRecordingCritic: self.seen_meta[step] is the
+    BatchMeta of every shard the critic's update received at that step."""
+
+    def __init__(self, config, **kwargs):
+        from inspecting_workers import MetaRecordingCritic
+
+        super().__init__(config, worker_classes={"critic": MetaRecordingCritic}, **kwargs)
+        self.seen_meta: list[list] = []
+
+    def train_step(self, step: int) -> dict:
+        metrics = super().train_step(step)
+        self.seen_meta.append(self.groups["critic"].call_all("seen_meta")[0])
+        return metrics
