@@ -6,6 +6,9 @@ A checkpoint is the folder ``<run_dir>/checkpoints/step_<N>/`` (N = steps done):
     trainer_state.pt           step, driver RNGs, and the driver state (data position, KL controller, history)
     run_config.json            the run's config (for a human, and to warn when a resume differs)
     actor/model.safetensors    full (unsharded) weights; tied weights stored once (metadata)
+    actor/adapter_model.safetensors, actor/adapter_config.json
+                               instead, with actor.lora: the LoRA adapters only, as peft saves an
+                               adapter (PeftModel.from_pretrained(base, "<checkpoint>/actor") loads it)
     actor/optimizer.pt         {"optimizer": by parameter name, "scheduler": ...}
     actor/rng.pt               {"per_rank": [RNG states of rank 0, 1, ...]}
     critic/...                 the same, when the run has a critic
@@ -47,6 +50,8 @@ FORMAT_VERSION = 2  # 2: the driver state under "driver"; recorded rollouts no l
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
+MODEL_FILE = "model.safetensors"
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's names
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _MAX_HF_FILE = 200 * 2**20
@@ -94,7 +99,7 @@ def save(trainer, step: int) -> str:
             missing = [k for k in ("model", "optimizer", "scheduler") if k not in full]
             if missing:
                 raise CheckpointError(f"{role} rank 0 returned no {missing} from state_for_checkpoint")
-            writer.safetensors(f"{role}/model.safetensors", full["model"])
+            _write_weights(writer, role, full)
             writer.torch_save(f"{role}/optimizer.pt", {"optimizer": full["optimizer"], "scheduler": full["scheduler"]})
             writer.torch_save(f"{role}/rng.pt", {"per_rank": [s.get("rng") for s in states]})
         writer.torch_save(TRAINER_STATE, trainer_state)
@@ -113,6 +118,16 @@ def save(trainer, step: int) -> str:
     _write_latest(root, os.path.basename(final))
     _prune(root, keep=cfg.trainer.max_to_keep, current=os.path.basename(final))
     return final
+
+
+def _write_weights(writer: "_Writer", role: str, full: dict) -> None:
+    """The role's whole model, or (LoRA) its adapters in peft's adapter folder layout."""
+    if full.get("adapter_config") is None:
+        writer.safetensors(f"{role}/{MODEL_FILE}", full["model"])
+        return
+    # every adapter tensor under its own name (no tied-weight aliases): peft reads the file as it is
+    writer.safetensors(f"{role}/{ADAPTER_FILE}", full["model"], dedupe=False)
+    writer.json(f"{role}/{ADAPTER_CONFIG}", full["adapter_config"])
 
 
 class _Writer:
@@ -140,10 +155,13 @@ class _Writer:
         torch.save(obj, path)
         self._done(rel, path)
 
-    def safetensors(self, rel: str, state: dict[str, torch.Tensor]) -> None:
+    def safetensors(self, rel: str, state: dict[str, torch.Tensor], dedupe: bool = True) -> None:
         from safetensors.torch import save_file
 
-        tensors, aliases = _dedupe_tied(state)
+        if dedupe:
+            tensors, aliases = _dedupe_tied(state)
+        else:
+            tensors, aliases = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}, {}
         path = self._path(rel)
         save_file(tensors, path, metadata={"format": "pt", "rlflow_aliases": json.dumps(aliases)})
         self._done(rel, path)
@@ -431,15 +449,14 @@ def load(trainer, ckpt_dir: str) -> int:
     for role in sorted(set(manifest.get("roles", [])) - set(groups)):
         _warn(f"checkpoint {ckpt_dir} has {role} state but this run has no {role}; it is ignored")
     for role, group in groups.items():
-        if f"{role}/model.safetensors" not in files:
-            raise CheckpointError(f"checkpoint {ckpt_dir} has no {role} state, but this run trains a {role}")
-        model = _load_model_file(ckpt_dir, f"{role}/model.safetensors")
+        model, adapter_config = _load_weights(ckpt_dir, files, role)
         optim = _torch_load(ckpt_dir, f"{role}/optimizer.pt")
         per_rank = _torch_load(ckpt_dir, f"{role}/rng.pt")["per_rank"]
         if len(per_rank) != group.world_size:
             _warn(f"checkpoint {ckpt_dir}: {role} had {len(per_rank)} ranks, this run has {group.world_size}; "
                   "weights and optimizer load exactly, the extra ranks keep their seeded RNG")
-        payload = {"model": model, "optimizer": optim["optimizer"], "scheduler": optim["scheduler"]}
+        payload = {"model": model, "optimizer": optim["optimizer"], "scheduler": optim["scheduler"],
+                   "adapter_config": adapter_config}
         payload = _share(group, payload)
         futures = group.call_per_rank_async(
             "load_checkpoint_state", [(payload, per_rank[r] if r < len(per_rank) else None) for r in range(group.world_size)])
@@ -451,6 +468,23 @@ def load(trainer, ckpt_dir: str) -> int:
     step = int(state["step"])
     print(f"rlflow: resumed from {ckpt_dir} (step {step})", file=sys.stderr)
     return step
+
+
+def _load_weights(ckpt_dir: str, files: dict, role: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(the role's saved weights, its adapter config or None): the whole model, or LoRA adapters."""
+    if f"{role}/{ADAPTER_FILE}" in files:
+        return _load_model_file(ckpt_dir, f"{role}/{ADAPTER_FILE}"), _load_json(ckpt_dir, f"{role}/{ADAPTER_CONFIG}")
+    if f"{role}/{MODEL_FILE}" not in files:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {role} state, but this run trains a {role}")
+    return _load_model_file(ckpt_dir, f"{role}/{MODEL_FILE}"), None
+
+
+def _load_json(ckpt_dir: str, rel: str) -> dict:
+    try:
+        with open(os.path.join(ckpt_dir, rel), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: file {rel} cannot be read as JSON: {err}") from err
 
 
 def _share(group, payload):
@@ -513,7 +547,7 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
     ckpt_dir = resolve_checkpoint(ckpt_dir)
     manifest = verify(ckpt_dir)
     files = manifest["files"]
-    if "actor/model.safetensors" not in files:
+    if f"actor/{MODEL_FILE}" not in files and f"actor/{ADAPTER_FILE}" not in files:
         raise CheckpointError(f"checkpoint {ckpt_dir} has no actor weights")
     if "hf/config.json" not in files:
         raise CheckpointError(f"checkpoint {ckpt_dir} has no hf/config.json: the run's model folder was not recorded")
@@ -522,7 +556,7 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
         raise FileExistsError(f"export target {out_dir} exists and is not an empty folder")
     with open(os.path.join(ckpt_dir, "hf", "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    state = _load_model_file(ckpt_dir, "actor/model.safetensors")
+    state = _actor_weights(ckpt_dir, files)
     tied = bool(config.get("tie_word_embeddings", False))
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -551,3 +585,23 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _actor_weights(ckpt_dir: str, files: dict) -> dict[str, torch.Tensor]:
+    """The actor's full weights: saved whole, or (LoRA) its adapters merged into the base model
+    they were trained on (adapter_config.json's base_model_name_or_path, as peft records it)."""
+    if f"actor/{ADAPTER_FILE}" not in files:
+        return _load_model_file(ckpt_dir, f"actor/{MODEL_FILE}")
+    from workers import lora
+
+    config = _load_json(ckpt_dir, f"actor/{ADAPTER_CONFIG}")
+    base_path = config.get("base_model_name_or_path")
+    if not base_path or not os.path.isdir(base_path):
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds LoRA adapters; merging them needs their base model "
+                              f"folder {base_path!r} (actor/{ADAPTER_CONFIG}: base_model_name_or_path), "
+                              "which is not there")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto").state_dict()
+    _, adapters = lora.split_adapters(_load_model_file(ckpt_dir, f"actor/{ADAPTER_FILE}"))
+    return lora.merge_adapters(base, adapters, lora.scaling(config["lora_alpha"], config["r"]))

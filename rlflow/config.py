@@ -74,8 +74,23 @@ class DataConfig:
 
 
 @dataclass
+class ActorLoraConfig:
+    """LoRA adapters on the actor (peft): only the adapters train; the rollout receives the merged
+    weights (W + alpha / rank * B @ A) under the base model's names; checkpoints hold the adapters."""
+
+    rank: int = 0  # 0: off (the whole model trains)
+    alpha: float = 16.0
+    # 0: the update is deterministic (dropout draws differ between layouts, breaking exactness)
+    dropout: float = 0.0
+    # the linear layers that get adapters (names of modules inside the model, as peft matches them)
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: ActorLoraConfig = field(default_factory=ActorLoraConfig)
     strategy: str = "fsdp2"
     dp_size: int = 1
     # sizes count sequences (responses), after rollout.n
@@ -528,6 +543,21 @@ def _check_rollout_correction(cfg: DictConfig) -> None:
               "log-probs: it needs rollout.calculate_log_probs=true")
 
 
+def _check_lora(cfg: DictConfig) -> None:
+    lora = cfg.actor.lora
+    _need(lora.rank >= 0, f"actor.lora.rank must be >= 0 (0: LoRA off), got {lora.rank}")
+    if lora.rank == 0:
+        return
+    _need(lora.alpha > 0, f"actor.lora.alpha must be > 0, got {lora.alpha}")
+    _need(0.0 <= lora.dropout < 1.0, f"actor.lora.dropout must be in [0, 1), got {lora.dropout}")
+    _need(len(lora.target_modules) > 0 and all(isinstance(m, str) and m for m in lora.target_modules),
+          f"actor.lora.target_modules must list module names (e.g. [q_proj, v_proj]), got {list(lora.target_modules)}")
+    import importlib.util
+
+    _need(importlib.util.find_spec("peft") is not None,
+          f"actor.lora.rank={lora.rank} needs the peft package: pip install peft")
+
+
 def _check_reward_model(cfg: DictConfig) -> None:
     section = cfg.reward_model
     if not section.enable:
@@ -616,6 +646,7 @@ def validate_config(cfg: DictConfig) -> None:
     _need(cfg.actor.kl_loss_type in KL_PENALTY_MODES,
           f"actor.kl_loss_type={cfg.actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _check_loss_terms(cfg)
+    _check_lora(cfg)
     _check_rollout_correction(cfg)
     _need(algo.kl_penalty in KL_PENALTY_MODES,
           f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")

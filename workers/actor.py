@@ -12,9 +12,10 @@ from rlflow.algos.rollout_correction import compute_rollout_correction
 from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
 from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
+from workers import lora
 from workers.base import WorkerBase
 from workers.forward import response_log_probs
-from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
+from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,9 +56,12 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         actor = self.cfg.actor
         model = load_causal_lm(model_path, actor.model.dtype)
         if actor.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(model)
+        if self.uses_lora:
+            model = lora.add_adapters(model, actor.lora, seed=self.cfg.trainer.seed)
+            self.adapter_config = lora.adapter_config(model)
         self.model = self.wrap_for_training(model, actor.strategy)
-        self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
+        self.optimizer = build_optimizer(self.model.parameters(), actor.optim)  # the trainable ones
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
         self.loss_terms = actor_loss_terms(actor)
         self.rollout_correction = rollout_correction_options(self.cfg.algorithm.rollout_correction)
@@ -65,6 +69,54 @@ class ActorWorker(LogProbMixin, TrainableWorker):
 
     def compute_log_prob(self, td: TensorDict) -> TensorDict:
         return self._log_prob_shard(td, self.cfg.actor.log_prob_micro_batch_size_per_gpu, "old_log_probs")
+
+    # -- LoRA (workers/lora.py): the rollout gets merged weights, a checkpoint the adapters ----------
+    @property
+    def uses_lora(self) -> bool:
+        return self.cfg.actor.lora.rank > 0
+
+    def inference_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.uses_lora:
+            return state
+        return lora.merged_weights(state, lora.scaling(self.cfg.actor.lora.alpha, self.cfg.actor.lora.rank))
+
+    def state_for_checkpoint(self) -> dict:
+        state = super().state_for_checkpoint()
+        if self.uses_lora and "model" in state:
+            # the base weights are the model folder's, unchanged: the adapters are what was trained
+            state["model"] = lora.saved_adapter_names(state["model"])
+            state["adapter_config"] = self.adapter_config
+        return state
+
+    def load_checkpoint_state(self, state: dict, rng: dict | None = None, strict: bool = True) -> None:
+        if not self.uses_lora:
+            return super().load_checkpoint_state(state, rng, strict)
+        saved_config = state.get("adapter_config")
+        if saved_config is None:
+            raise ValueError(f"actor rank {self.rank}: the checkpoint holds the whole model, not LoRA adapters; it was "
+                             f"saved without actor.lora (this run has actor.lora.rank={self.cfg.actor.lora.rank})")
+        self._check_adapter_config(saved_config)
+        adapters = lora.live_adapter_names(state["model"])
+        trainable = {self._state_name(name) for name, param in self.model.named_parameters() if param.requires_grad}
+        if set(adapters) != trainable:
+            missing, extra = sorted(trainable - set(adapters)), sorted(set(adapters) - trainable)
+            raise ValueError(f"actor rank {self.rank}: the checkpoint's adapters are not this model's (missing "
+                             f"{missing[:3]}, unexpected {extra[:3]}): resume with the actor.lora.target_modules "
+                             "of the run that saved it")
+        super().load_checkpoint_state({**state, "model": adapters}, rng, strict=False)
+
+    def _check_adapter_config(self, saved: dict) -> None:
+        lora_cfg = self.cfg.actor.lora
+        for key, saved_key, value in (("rank", "r", int(lora_cfg.rank)), ("alpha", "lora_alpha", float(lora_cfg.alpha))):
+            if saved.get(saved_key) != value:
+                raise ValueError(f"actor rank {self.rank}: the checkpoint's adapters have "
+                                 f"{saved_key}={saved.get(saved_key)}, this run has actor.lora.{key}={value}: resume with the actor.lora settings of the "
+                                 "run that saved it")
+
+    def _state_name(self, parameter_name: str) -> str:
+        """A parameter's name in the full state dict (DDP's wrapper adds a prefix to named_parameters)."""
+        is_ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        return parameter_name.removeprefix("module.") if is_ddp else parameter_name
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         # without old log-probs the update is on-policy only if it is the step's one optimizer step

@@ -12,7 +12,7 @@ from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers.actor import _DTYPES
 from workers.forward import response_values
-from workers.trainable import TrainableWorker, build_optimizer, build_scheduler
+from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing
 
 
 def load_value_model(path: str, dtype: str) -> torch.nn.Module:
@@ -33,7 +33,7 @@ class CriticWorker(TrainableWorker):
         critic = self.cfg.critic
         model = load_value_model(model_path, critic.model.dtype)
         if critic.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(model)
         self.model = self.wrap_for_training(model, critic.strategy)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)

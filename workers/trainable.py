@@ -27,11 +27,21 @@ class NonFiniteError(RuntimeError):
 
 
 def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
+    # frozen parameters (LoRA's base weights) get no optimizer state
+    params = [param for param in params if param.requires_grad]
     if optim_cfg.name == "sgd":
         return torch.optim.SGD(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
     return torch.optim.AdamW(
         params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay
     )
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them (HF's
+    checkpointing, active in train mode only). Non-reentrant: the form FSDP2 and DDP support, and
+    it gives parameters inside a layer their gradient even when the layer's input needs none (LoRA
+    over frozen embeddings); transformers before 5 defaulted to the reentrant one."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -152,15 +162,21 @@ class TrainableWorker(WorkerBase):
         return self.model.no_sync()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights (rank 0; every rank must call under FSDP2): rollout sync, tests."""
-        return self.full_state_dict(self.model)
+        """Full weights as the model's HF folder names them (rank 0; every rank must call under
+        FSDP2): rollout sync, the weights at the end of a run, tests."""
+        return self.inference_weights(self.full_state_dict(self.model))
+
+    def inference_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights an inference engine loads, from the trained model's full state dict: the
+        state dict itself (the actor with LoRA merges its adapters in)."""
+        return state
 
     # -- rollout sync through a shared-memory file (workers/weight_share.py) ------------------------
     def _weights_to_publish(self) -> dict[str, torch.Tensor]:
         # a single rank writes its live tensors straight into the file; FSDP2 gathers (collective)
         if self.distributed:
-            return self.full_state_dict(self.model)
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+            return self.inference_weights(self.full_state_dict(self.model))
+        return self.inference_weights({name: tensor.detach() for name, tensor in self.model.state_dict().items()})
 
     def open_weight_share(self) -> WeightLayout | None:
         """Rank 0 creates and fills the file and returns its layout (every rank calls: a collective)."""
@@ -213,19 +229,38 @@ class TrainableWorker(WorkerBase):
             return {"rng": rng}
         return {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": rng}
 
-    def load_checkpoint_state(self, state: dict, rng: dict | None = None) -> None:
-        """Load a full state (every rank gets the whole of it); `rng` is this rank's RNG state."""
+    def _load_param_group_options(self, saved_groups: list[dict]) -> None:
+        """The saved groups' options (lr, betas, ...) into the optimizer's groups, in order."""
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"{self.role} rank {self.rank}: the checkpoint's optimizer has {len(saved_groups)} "
+                             f"parameter groups, this one {len(self.optimizer.param_groups)}")
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+    def load_checkpoint_state(self, state: dict, rng: dict | None = None, strict: bool = True) -> None:
+        """Load a full state (every rank gets the whole of it); `rng` is this rank's RNG state.
+        strict=False: state["model"] holds only some of the model's tensors (LoRA's adapters)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        if state.get("adapter_config") is not None and strict:
+            raise ValueError(f"{self.role} rank {self.rank}: the checkpoint holds LoRA adapters, not the whole model; "
+                             "resume it with the actor.lora settings of the run that saved it")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False, strict=strict)
         set_model_state_dict(self.model, state["model"], options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        if not state["optimizer"].get("state"):
-            self.optimizer.state.clear()  # saved before any step: undo set_optimizer_state_dict's fake step
+        if state["optimizer"].get("state"):
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        else:
+            # no per-parameter state (saved before any step, or SGD without momentum, which keeps
+            # none): set_optimizer_state_dict finds no tensor to place it by and refuses, and only
+            # the groups' hyperparameters are left to restore
+            self._load_param_group_options(state["optimizer"]["param_groups"])
+            self.optimizer.state.clear()
         self.scheduler.load_state_dict(state["scheduler"])
         rng = rng if rng is not None else state.get("rng")
         if rng is not None:
