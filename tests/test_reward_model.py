@@ -181,3 +181,8 @@ def test_a_run_trains_on_the_weighted_rule_and_model_scores(ray_session, tiny_mo
             model = direct_score(reference, row["prompt"], response, cfg.reward_model.max_length)
             score = batch["token_level_scores"][i].sum().item()
             assert score == pytest.approx(0.5 * rule + 2.0 * model, abs=1e-5, rel=0), (step, i)
+            assert batch["rule_scores"][i].item() == pytest.approx(rule, abs=1e-6)
+            assert batch["rm_scores"][i].item() == pytest.approx(model, abs=1e-5)
+        metrics = history[step + 1] if history[0].get("step") == 0 else history[step]
+        assert metrics["reward/rule_score_mean"] == pytest.approx(batch["rule_scores"].mean().item(), abs=1e-6)
+        assert metrics["reward/rm_score_mean"] == pytest.approx(batch["rm_scores"].mean().item(), abs=1e-6)
