@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from rlflow.protocol import left_pad, position_ids_from_mask, right_pad
+from rlflow.protocol import left_pad, pad_rows, position_ids_from_mask, right_pad
 
 
 @dataclass
@@ -110,10 +110,7 @@ class AgentLoop:
         input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id)
         batch = TensorDict({"input_ids": input_ids, "attention_mask": attention_mask,
                             "position_ids": position_ids_from_mask(attention_mask)}, batch_size=[len(contexts)])
-        pad = (-len(contexts)) % self.rollout.world_size  # every rank gets rows
-        if pad:
-            batch = torch.cat([batch, batch[:1].expand(pad).clone()], dim=0)
-        out = self.rollout.dispatch_dp("generate", batch, 1, do_sample, seed, return_log_probs, temperature, top_p,
+        out = self.rollout.dispatch_dp("generate", pad_rows(batch, self.rollout.world_size), 1, do_sample, seed, return_log_probs, temperature, top_p,
                                        max_new_tokens)
         return out[: len(contexts)]
 

@@ -26,7 +26,8 @@ from controllers.rollout_source import RolloutQueue
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
 from rlflow.config import RLFlowConfig, config_to_dict, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
-from rlflow.protocol import MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num_bins_for_token_budget, row_token_counts, split_dp
+from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num_bins_for_token_budget, pad_rows,
+                             row_token_counts, split_dp)
 
 # what the console prints each step (every metric goes to the other trackers)
 CONSOLE_KEYS = (
@@ -591,8 +592,7 @@ class PPOTrainer:
                 out, token_scores, extras = self.agent.run(prompts, rows, n, cfg.rollout.val_do_sample, 0, False,
                                                            cfg.rollout.val_temperature, cfg.rollout.val_top_p)
             else:
-                pad = (-prompts.batch_size[0]) % cfg.rollout.dp_size
-                out = self.groups["rollout"].dispatch_dp("generate", _pad_rows(prompts, pad), n,
+                out = self.groups["rollout"].dispatch_dp("generate", pad_rows(prompts, cfg.rollout.dp_size), n,
                                                          cfg.rollout.val_do_sample, 0, False, cfg.rollout.val_temperature,
                                                          cfg.rollout.val_top_p)
                 out = out[: prompts.batch_size[0] * n]  # row r answers prompt r // n
@@ -701,10 +701,6 @@ class RLFlow:
 
     def fit(self) -> list[dict]:
         return self.trainer.fit()
-
-
-def _pad_rows(td: TensorDict, pad: int) -> TensorDict:
-    return td if pad == 0 else torch.cat([td, td[:1].expand(pad).clone()], dim=0)
 
 
 def _chat_flag(value: str):

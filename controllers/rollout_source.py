@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.algos import estimator_inputs
+from rlflow.protocol import concat_rollouts, last_valid_index
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -77,9 +78,8 @@ class Scorer:
             extras["rm_score"] = model_scores
             scores = [score + self.reward_model_weight * model for score, model in zip(scores, model_scores, strict=True)]
         token_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        lengths = mask.sum(-1).long()
-        for row, (score, length) in enumerate(zip(scores, lengths.tolist())):
-            token_scores[row, max(length - 1, 0)] = float(score)
+        last = last_valid_index(mask).clamp(min=0)  # an empty response: position 0
+        token_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         extras["num_reward_errors"] = num_errors
         return token_scores, extras
 
@@ -180,9 +180,7 @@ class GeneratingSource(RolloutSource):
         buffer = self.cfg.reward.overlong_buffer
         if buffer.enable:  # training rewards only: validation reports the task's own score
             from rlflow.algos.dynamic_sampling import overlong_penalty
-            from rlflow.protocol import last_valid_index
-
-            # the response up to its last model token (an agent's trajectory includes its observations)
+                # the response up to its last model token (an agent's trajectory includes its observations)
             last = last_valid_index(batch["response_mask"])
             penalty = overlong_penalty(last + 1, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
             scores = scores.scatter_add(1, last.clamp(min=0).unsqueeze(1), penalty.unsqueeze(1))
@@ -202,8 +200,6 @@ class GeneratingSource(RolloutSource):
         data.train_batch_size groups are kept; the batch is the first train_batch_size of them, in
         generation order. The weight version is the oldest of the batches used."""
         from rlflow.algos.dynamic_sampling import groups_with_variance, rows_of_groups
-        from rlflow.protocol import concat_rollouts
-
         section, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
         wanted = self.cfg.data.train_batch_size
         kept, dropped, versions = [], [], []

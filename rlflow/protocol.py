@@ -191,6 +191,13 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0)
 
 
+def pad_rows(td: TensorDict, multiple: int) -> TensorDict:
+    """td with copies of its first row appended until its row count is a multiple of `multiple`
+    (every dp rank gets rows); the caller drops what the extra rows produce."""
+    pad = (-td.batch_size[0]) % multiple
+    return td if pad == 0 else torch.cat([td, td[:1].expand(pad).clone()], dim=0)
+
+
 def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
     """[B, R] mask -> [B] index of each row's last 1 (-1 for a row without one). With mask holes
     (an agent's observations) this is not mask.sum() - 1."""

@@ -68,11 +68,9 @@ class EnvError(RuntimeError):
 
 
 @dataclass
-class EnvOutcome:
-    observation: str = ""
-    reward: float = 0.0
-    done: bool = False
-    info: dict = field(default_factory=dict)
+class EnvOutcome(StepResult):
+    """A checked StepResult (reset's observation in `observation`), or a failed call's outcome."""
+
     error: str | None = None  # set when the call failed and on_error=zero made it a terminal 0-reward outcome
 
 
