@@ -88,9 +88,19 @@ class ActorLoraConfig:
 
 
 @dataclass
+class MixedPrecisionConfig:
+    # the dtype forwards and backwards compute in: float32 | bfloat16 | float16. Below the model's
+    # dtype (float32) it is mixed precision: the model stays the master copy the optimizer steps
+    # (workers/precision.py). None: the model's dtype (the critic's None: the actor's setting)
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None  # the data-parallel gradient reduction: float32 | bfloat16 | float16
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: ActorLoraConfig = field(default_factory=ActorLoraConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     strategy: str = "fsdp2"
     dp_size: int = 1
     # sizes count sequences (responses), after rollout.n
@@ -129,6 +139,7 @@ class ActorConfig:
 class CriticConfig:
     enable: bool | None = None  # None: on for the estimators that need values (rlflow.algos.NEEDS_CRITIC: gae)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" -> actor's
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)  # None fields -> actor's
     strategy: str | None = None  # None -> actor's
     dp_size: int | None = None  # None -> actor's
     ppo_mini_batch_size: int | None = None
@@ -476,6 +487,11 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
             critic[name] = actor[name]
     if not critic.model.path:
         critic.model.path = actor.model.path
+    chosen = actor.mixed_precision.param_dtype
+    actor.mixed_precision.param_dtype = chosen or actor.model.dtype
+    critic.mixed_precision.param_dtype = critic.mixed_precision.param_dtype or chosen or critic.model.dtype
+    actor.mixed_precision.reduce_dtype = actor.mixed_precision.reduce_dtype or "float32"
+    critic.mixed_precision.reduce_dtype = critic.mixed_precision.reduce_dtype or actor.mixed_precision.reduce_dtype
     if critic.enable is None:
         critic.enable = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     if cfg.reference.enable is None:
@@ -556,6 +572,19 @@ def _check_lora(cfg: DictConfig) -> None:
 
     _need(importlib.util.find_spec("peft") is not None,
           f"actor.lora.rank={lora.rank} needs the peft package: pip install peft")
+
+
+def _check_mixed_precision(role: str, section: DictConfig) -> None:
+    mp = section.mixed_precision
+    _need(mp.param_dtype in ("float32", "bfloat16", "float16"),
+          f"{role}.mixed_precision.param_dtype={mp.param_dtype!r} is not one of float32, bfloat16, float16")
+    _need(mp.reduce_dtype in ("float32", "bfloat16", "float16"),
+          f"{role}.mixed_precision.reduce_dtype={mp.reduce_dtype!r} is not one of float32, bfloat16, float16")
+    if mp.param_dtype != section.model.dtype:
+        _need(section.model.dtype == "float32",
+              f"{role}.mixed_precision.param_dtype={mp.param_dtype} computes below float32 master weights: "
+              f"{role}.model.dtype must be float32, got {section.model.dtype} (or set "
+              f"{role}.mixed_precision.param_dtype={section.model.dtype} to train in {section.model.dtype} throughout)")
 
 
 def _check_reward_model(cfg: DictConfig) -> None:
@@ -646,6 +675,9 @@ def validate_config(cfg: DictConfig) -> None:
     _need(cfg.actor.kl_loss_type in KL_PENALTY_MODES,
           f"actor.kl_loss_type={cfg.actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _check_loss_terms(cfg)
+    _check_mixed_precision("actor", cfg.actor)
+    if cfg.critic.enable:
+        _check_mixed_precision("critic", cfg.critic)
     _check_lora(cfg)
     _check_rollout_correction(cfg)
     _need(algo.kl_penalty in KL_PENALTY_MODES,

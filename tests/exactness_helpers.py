@@ -138,11 +138,14 @@ def probe_names(step: dict) -> list[str]:
     return sorted(name for name in step if "/grad_probe/" in name)
 
 
-def _probe_scale(step: dict, name: str) -> float:
-    """What a probe's tolerance is relative to: itself for a norm, the whole gradient's norm for a
-    projection (sqrt of the sum of the squared tensor norms of that role and optimizer step)."""
-    if "/norm/" in name:
+def _probe_scale(step: dict, name: str, whole: bool = False) -> float:
+    """What a probe's tolerance is relative to: itself for a norm (whole=False), the whole
+    gradient's norm for a projection (sqrt of the sum of the squared tensor norms of that role and
+    optimizer step), and for every probe with whole=True."""
+    if "/norm/" in name and not whole:
         return abs(float(step[name]))
+    if "/norm/" in name:
+        name = name.split("/norm/", 1)[0] + "/proj"
     prefix = name.rsplit("/", 1)[0] + "/norm/"
     return math.sqrt(math.fsum(float(v) ** 2 for k, v in step.items() if k.startswith(prefix)))
 
@@ -186,14 +189,16 @@ def _compare_value(diff: Diff, where: str, x: float, y: float, tol: float, kind:
         diff.failures.append(f"{where}: {x!r} vs {y!r} (|d|={d:.3g}, {excess:.3g} of tol)")
 
 
-def compare_params(diff: Diff, a: FitResult, b: FitResult, rtol: float | None) -> None:
+def compare_params(diff: Diff, a: FitResult, b: FitResult, rtol: float | None, relative_to_whole: bool = False) -> None:
     """Per tensor: |a - b| <= rtol * max|b_final - initial| + PARAM_ULPS ulps of |b| (rtol 0:
-    bitwise). Both fits must start from the same weights."""
+    bitwise; relative_to_whole: the largest movement of any tensor of the role). Both fits must
+    start from the same weights."""
     for role in ("actor", "critic"):
         wa, wb, w0 = a.weights[role], b.weights[role], b.initial[role]
         if not (set(wa) == set(wb) == set(w0) == set(a.initial[role])):
             diff.failures.append(f"{role}: different parameter names")
             continue
+        whole_movement = max(float((wb[n].double() - w0[n].double()).abs().max()) for n in wb if wb[n].numel())
         for name in wb:
             if not torch.equal(a.initial[role][name], w0[name]):
                 diff.failures.append(f"{role}.{name}: the two fits started from different weights")
@@ -205,7 +210,7 @@ def compare_params(diff: Diff, a: FitResult, b: FitResult, rtol: float | None) -
             if rtol == 0:
                 excess = math.inf if worst > 0 else 0.0
             else:
-                movement = float((y - w0[name].double()).abs().max())
+                movement = whole_movement if relative_to_whole else float((y - w0[name].double()).abs().max())
                 tol = rtol * movement + PARAM_ULPS * FP32_EPS * y.abs()
                 excess = float((d / tol.clamp(min=1e-30)).max())
             if worst > diff.param_abs:
@@ -218,14 +223,16 @@ def compare_params(diff: Diff, a: FitResult, b: FitResult, rtol: float | None) -
 def compare_fits(a: FitResult, b: FitResult, metrics=COMPARED_METRICS, param_rtol: float | None = None,
                  probe_rtol: float = PROBE_RTOL, metric_rtol: float = METRIC_RTOL,
                  metric_atol: float = METRIC_ATOL, probes: bool = True, params: bool = True,
-                 bitwise: bool = False) -> Diff:
+                 bitwise: bool = False, relative_to_whole: bool = False) -> Diff:
     """Parameters, gradient probes (every one both runs logged) and `metrics` (each required in
-    every step of both runs). bitwise: every tolerance is 0."""
+    every step of both runs). bitwise: every tolerance is 0. relative_to_whole: a tensor's
+    gradient norm is compared relative to the whole gradient's norm, not to itself, and its
+    parameters relative to the largest movement of any tensor of the role, not to its own."""
     if bitwise:
         param_rtol, probe_rtol, metric_rtol, metric_atol = 0.0, 0.0, 0.0, 0.0
     diff = Diff()
     if params:
-        compare_params(diff, a, b, PARAM_RTOL[b.optimizer] if param_rtol is None else param_rtol)
+        compare_params(diff, a, b, PARAM_RTOL[b.optimizer] if param_rtol is None else param_rtol, relative_to_whole)
     steps_a, steps_b = a.steps(), b.steps()
     if len(steps_a) != len(steps_b) or not steps_b:
         diff.failures.append(f"step counts {len(steps_a)} vs {len(steps_b)}")
@@ -249,7 +256,7 @@ def compare_fits(a: FitResult, b: FitResult, metrics=COMPARED_METRICS, param_rto
                 y = float(hb[name])
                 diff.num_probes += 1
                 _compare_value(diff, f"step {hb['step']} {name}", float(ha[name]), y,
-                               probe_rtol * _probe_scale(hb, name), "probe")
+                               probe_rtol * _probe_scale(hb, name, relative_to_whole), "probe")
     return diff
 
 

@@ -15,9 +15,8 @@ from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers import lora
 from workers.base import WorkerBase
 from workers.forward import response_log_probs
+from workers.precision import DTYPES, Precision, cast_parameters_
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_causal_lm(path: str, dtype: str) -> torch.nn.Module:
@@ -29,7 +28,7 @@ def load_causal_lm(path: str, dtype: str) -> torch.nn.Module:
             f"model path {path} holds a {config.architectures or config.model_type} model, not a causal LM "
             "(actor.model.path must point at a *ForCausalLM checkpoint)"
         )
-    return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
 
 
 class LogProbMixin:
@@ -40,7 +39,7 @@ class LogProbMixin:
         td = td.to(self.device)
         temperature = self.cfg.rollout.temperature
         outputs = []
-        with torch.no_grad():
+        with torch.no_grad(), self.forward_context():
             for idx in plan_micro_batches(td, micro_batch_size=micro_batch_size):
                 log_probs, _ = response_log_probs(self.model, td[idx], temperature)
                 outputs.append(log_probs)
@@ -60,7 +59,7 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         if self.uses_lora:
             model = lora.add_adapters(model, actor.lora, seed=self.cfg.trainer.seed)
             self.adapter_config = lora.adapter_config(model)
-        self.model = self.wrap_for_training(model, actor.strategy)
+        self.model = self.wrap_trainable(model)
         self.optimizer = build_optimizer(self.model.parameters(), actor.optim)  # the trainable ones
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
         self.loss_terms = actor_loss_terms(actor)
@@ -161,8 +160,16 @@ class ReferenceWorker(LogProbMixin, WorkerBase):
     def init_model(self, model_path: str) -> int:
         model = load_causal_lm(model_path, self.cfg.actor.model.dtype)
         model.requires_grad_(False)
+        num_params = sum(p.numel() for p in model.parameters())
+        # the actor's compute numerics, so that the KL of identical weights is 0
+        self.precision = Precision.of(self.cfg.actor)
+        if self.precision.sharded:  # what FSDP2's policy computes with; no master copy to keep
+            cast_parameters_(model, self.precision.compute)
         self.model = model.to(self.device)
-        return sum(p.numel() for p in model.parameters())
+        return num_params
+
+    def forward_context(self):
+        return self.precision.forward_context(self.device)
 
     def compute_ref_log_prob(self, td: TensorDict) -> TensorDict:
         return self._log_prob_shard(td, self.cfg.reference.log_prob_micro_batch_size_per_gpu, "ref_log_prob")

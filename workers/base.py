@@ -226,28 +226,46 @@ class WorkerBase:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def wrap_for_training(self, model: torch.nn.Module, strategy: str) -> torch.nn.Module:
-        """FSDP2 (fully_shard per decoder layer, then the root) or DDP when dp > 1."""
+    def wrap_for_training(self, model: torch.nn.Module, strategy: str, precision=None) -> torch.nn.Module:
+        """FSDP2 (fully_shard per decoder layer, then the root) or DDP when dp > 1; with mixed
+        precision (workers/precision.py) FSDP2 wraps at dp=1 too, so its policy does the casting
+        at every dp size."""
         model.to(self.device)
-        if not self.distributed:
+        sharded_precision = precision is not None and precision.sharded
+        if not self.distributed and not sharded_precision:
             return model
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(model)
+            ddp = DistributedDataParallel(model)
+            hook = precision.ddp_comm_hook() if precision is not None and precision.enabled else None
+            if hook is not None:
+                ddp.register_comm_hook(None, hook)
+            return ddp
         from torch.distributed.fsdp import fully_shard
 
+        from workers.precision import one_rank_group
+
+        if not self.distributed:
+            one_rank_group()
+        policy = {"mp_policy": precision.fsdp_policy()} if precision is not None else {}
         for module in model.modules():
             if type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module)
-        fully_shard(model)
+                fully_shard(module, **policy)
+        fully_shard(model, **policy)
         return model
+
+    @staticmethod
+    def is_sharded(model: torch.nn.Module) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(model, FSDPModule)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU (on rank 0; a collective under FSDP2)."""
         is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         module = model.module if is_ddp else model
-        if self.distributed and not is_ddp:
+        if self.is_sharded(model):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

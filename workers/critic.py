@@ -10,8 +10,8 @@ from tensordict import TensorDict
 from rlflow.algos import compose_loss, critic_loss_terms, masked_mean_metric
 from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
-from workers.actor import _DTYPES
 from workers.forward import response_values
+from workers.precision import DTYPES
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing
 
 
@@ -22,7 +22,7 @@ def load_value_model(path: str, dtype: str) -> torch.nn.Module:
     config.num_labels = 1
     # a value head must be deterministic: no dropout on the head
     config.classifier_dropout = 0.0
-    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[dtype])
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=DTYPES[dtype])
 
 
 class CriticWorker(TrainableWorker):
@@ -34,7 +34,7 @@ class CriticWorker(TrainableWorker):
         model = load_value_model(model_path, critic.model.dtype)
         if critic.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        self.model = self.wrap_for_training(model, critic.strategy)
+        self.model = self.wrap_trainable(model)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.loss_terms = critic_loss_terms(critic)
@@ -44,7 +44,7 @@ class CriticWorker(TrainableWorker):
         self.model.eval()
         td = td.to(self.device)
         outputs = []
-        with torch.no_grad():
+        with torch.no_grad(), self.forward_context():
             for idx in plan_micro_batches(td, micro_batch_size=self.cfg.critic.forward_micro_batch_size_per_gpu):
                 outputs.append(response_values(self.model, td[idx]) * td[idx]["response_mask"])
         return TensorDict({"values": torch.cat(outputs).cpu()}, batch_size=td.batch_size)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from rlflow.rewards.model import encode_for_reward_model, format_for_reward_model
-from workers.actor import _DTYPES
+from workers.precision import DTYPES
 from workers.base import WorkerBase
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class RewardModelWorker(WorkerBase):
 
         section = self.cfg.reward_model
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=_DTYPES[section.dtype])
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[section.dtype])
         if model.config.num_labels != 1:
             raise ValueError(f"reward_model.path={path!r} has num_labels={model.config.num_labels}; "
                              "a reward model scores with exactly one label")

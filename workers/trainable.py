@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import MICRO_PLAN_KEY, BatchMeta, get_meta, split_micro_batches
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
+from workers.precision import DynamicLossScale, Precision
 from workers.probes import gradient_probes
 from workers.weight_share import SHM_DIR, MappedWeights, WeightLayout, create_share, layout_of, new_share_path
 
@@ -74,8 +75,21 @@ class TrainableWorker(WorkerBase):
 
     section: str  # "actor" or "critic"
 
+    loss_scale: DynamicLossScale | None = None  # float16 mixed precision only
+
     def section_cfg(self):
         return getattr(self.cfg, self.section)
+
+    def wrap_trainable(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The role's strategy and mixed precision (workers/precision.py) around its loaded model."""
+        section = self.section_cfg()
+        self.precision = Precision.of(section)
+        if self.precision.scales_loss:
+            self.loss_scale = DynamicLossScale()
+        return self.wrap_for_training(model, section.strategy, self.precision)
+
+    def forward_context(self):
+        return self.precision.forward_context(self.device)
 
     def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
         """The sum of the role's loss terms (rlflow.algos.compose_loss) on one micro-batch, each
@@ -103,10 +117,13 @@ class TrainableWorker(WorkerBase):
             finite_loss = True
             for index, micro in enumerate(micros):
                 with self._gradient_sync(last=index == len(micros) - 1):
-                    loss, metrics = self.micro_loss(micro, meta)
-                    loss.backward()
+                    with self.forward_context():
+                        loss, metrics = self.micro_loss(micro, meta)
+                    (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
                 finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
                 records.append(metrics)
+            if self.loss_scale is not None:
+                self.loss_scale.unscale_(self.model.parameters())
             if probes.enable:  # the reduced gradient, before clipping changes it
                 records.append(gradient_probes(self.model, f"{self.section}/grad_probe/mb{minibatch_index}",
                                                self.rank, probes.num_projections, probes.seed))
@@ -115,7 +132,10 @@ class TrainableWorker(WorkerBase):
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             grad_norm = float(grad_norm)
-            if not self._all_ranks(finite_loss):
+            finite_loss = self._all_ranks(finite_loss)
+            # a finite loss with a non-finite gradient under float16 loss scaling: the scale overflowed
+            overflow = self.loss_scale is not None and finite_loss and not math.isfinite(grad_norm)
+            if not finite_loss:
                 # a clamp gives a NaN input a zero gradient, so a NaN loss can come with a finite
                 # norm: it is handled as a non-finite gradient, on every rank alike
                 grad_norm = math.nan
@@ -124,9 +144,16 @@ class TrainableWorker(WorkerBase):
                 f"{self.section}/lr": Metric(self.scheduler.get_last_lr()[0], Aggregation.MAX),
                 f"{self.section}/num_micro_batches": Metric(float(len(micros)), Aggregation.MAX),
             }
+            if self.loss_scale is not None:
+                step_record[f"{self.section}/loss_scale"] = Metric(self.loss_scale.scale, Aggregation.MAX)
+                self.loss_scale.update(finite=not overflow)
             if math.isfinite(grad_norm):
                 self.optimizer.step()
                 step_record[f"{self.section}/skipped_minibatches"] = Metric(0.0, Aggregation.MAX)
+            elif overflow:
+                # float16 overflowed at this loss scale (now halved): a normal skip, not an error
+                self.optimizer.zero_grad(set_to_none=True)
+                step_record[f"{self.section}/skipped_minibatches"] = Metric(1.0, Aggregation.MAX)
             elif self.cfg.trainer.nan_policy == "skip":
                 # grad_norm is global, so every rank skips the same mini-batch
                 self.optimizer.zero_grad(set_to_none=True)
@@ -174,7 +201,7 @@ class TrainableWorker(WorkerBase):
     # -- rollout sync through a shared-memory file (workers/weight_share.py) ------------------------
     def _weights_to_publish(self) -> dict[str, torch.Tensor]:
         # a single rank writes its live tensors straight into the file; FSDP2 gathers (collective)
-        if self.distributed:
+        if self.distributed or self.is_sharded(self.model):
             return self.inference_weights(self.full_state_dict(self.model))
         return self.inference_weights({name: tensor.detach() for name, tensor in self.model.state_dict().items()})
 
@@ -227,7 +254,10 @@ class TrainableWorker(WorkerBase):
         rng = capture_rng_state()
         if self.rank != 0:
             return {"rng": rng}
-        return {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": rng}
+        state = {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": rng}
+        if self.loss_scale is not None:
+            state["loss_scale"] = self.loss_scale.state_dict()
+        return state
 
     def _load_param_group_options(self, saved_groups: list[dict]) -> None:
         """The saved groups' options (lr, betas, ...) into the optimizer's groups, in order."""
@@ -262,6 +292,8 @@ class TrainableWorker(WorkerBase):
             self._load_param_group_options(state["optimizer"]["param_groups"])
             self.optimizer.state.clear()
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.loss_scale is not None and "loss_scale" in state:
+            self.loss_scale.load_state_dict(state["loss_scale"])
         rng = rng if rng is not None else state.get("rng")
         if rng is not None:
             restore_rng_state(rng)
