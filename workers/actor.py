@@ -16,7 +16,7 @@ from workers import lora
 from workers.base import WorkerBase
 from workers.forward import response_log_probs
 from workers.precision import DTYPES, Precision, cast_parameters_
-from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing
+from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing, resident
 
 
 def load_causal_lm(path: str, dtype: str) -> torch.nn.Module:
@@ -64,8 +64,11 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
         self.loss_terms = actor_loss_terms(actor)
         self.rollout_correction = rollout_correction_options(self.cfg.algorithm.rollout_correction)
-        return sum(p.numel() for p in model.parameters())
+        num_params = sum(p.numel() for p in model.parameters())
+        self.start_offloading()
+        return num_params
 
+    @resident
     def compute_log_prob(self, td: TensorDict) -> TensorDict:
         return self._log_prob_shard(td, self.cfg.actor.log_prob_micro_batch_size_per_gpu, "old_log_probs")
 

@@ -134,6 +134,22 @@ def worker_threads(num_worker_processes: int) -> int:
     return override or max(1, (os.cpu_count() or 1) // max(1, num_worker_processes))
 
 
+def peak_memory_bytes(device: torch.device, reset: bool) -> int:
+    """This process's peak memory since the last reset: on CUDA what torch's allocator held
+    allocated; on CPU the peak resident set (VmHWM), reset through /proc/self/clear_refs (Linux)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    with open("/proc/self/status", encoding="ascii") as status:
+        peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    if reset:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")  # 5: reset the peak resident set size to the current one
+    return peak_kb * 1024
+
+
 class WorkerBase:
     """One rank of a role. Ray creates it, the group then calls `init_distributed`."""
 
@@ -212,6 +228,10 @@ class WorkerBase:
     def ping(self) -> int:
         return self.rank
 
+    def memory_peak(self) -> int:
+        """Bytes: this process's peak memory since the previous call (trainer.memory_metrics)."""
+        return peak_memory_bytes(self.device, reset=True)
+
     def node_id(self) -> str:
         import ray
 
@@ -237,7 +257,9 @@ class WorkerBase:
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            ddp = DistributedDataParallel(model)
+            # gradients as views into DDP's reduction buckets: no second gradient-sized copy (and
+            # an offload moves the buckets with the gradients, workers/offload.py)
+            ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
             hook = precision.ddp_comm_hook() if precision is not None and precision.enabled else None
             if hook is not None:
                 ddp.register_comm_hook(None, hook)

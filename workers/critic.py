@@ -12,7 +12,7 @@ from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers.forward import response_values
 from workers.precision import DTYPES
-from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing
+from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing, resident
 
 
 def load_value_model(path: str, dtype: str) -> torch.nn.Module:
@@ -38,8 +38,11 @@ class CriticWorker(TrainableWorker):
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
         self.loss_terms = critic_loss_terms(critic)
-        return sum(p.numel() for p in model.parameters())
+        num_params = sum(p.numel() for p in model.parameters())
+        self.start_offloading()
+        return num_params
 
+    @resident
     def compute_values(self, td: TensorDict) -> TensorDict:
         self.model.eval()
         td = td.to(self.device)

@@ -9,6 +9,7 @@ gradient, one optimizer step. The worker never all-reduces to find batch sizes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -18,6 +19,7 @@ from tensordict import TensorDict
 from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import MICRO_PLAN_KEY, BatchMeta, get_meta, split_micro_batches
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
+from workers.offload import TrainerStateOffloader, unaliased
 from workers.precision import DynamicLossScale, Precision
 from workers.probes import gradient_probes
 from workers.weight_share import SHM_DIR, MappedWeights, WeightLayout, create_share, layout_of, new_share_path
@@ -70,12 +72,45 @@ def micro_batch_plan(section, shard: TensorDict) -> dict:
     return {"micro_batch_size": section.ppo_micro_batch_size_per_gpu}
 
 
+def resident(method):
+    """With <role>.offload, the worker's state is on the device only while one of these calls
+    runs: reloaded as it starts, offloaded as it ends (the outermost call, when they nest)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        offloader = self.offloader
+        if offloader is None:
+            return method(self, *args, **kwargs)
+        outermost = not self._resident_calls
+        if outermost:
+            offloader.reload()
+        self._resident_calls += 1
+        try:
+            result = method(self, *args, **kwargs)
+            return unaliased(result, self.model, self.optimizer) if outermost else result
+        finally:
+            self._resident_calls -= 1
+            if outermost:
+                offloader.offload()
+
+    return call
+
+
 class TrainableWorker(WorkerBase):
-    """Subclasses set self.model / self.optimizer / self.scheduler and implement micro_loss."""
+    """Subclasses set self.model / self.optimizer / self.scheduler and implement micro_loss; the
+    public calls that touch them are @resident."""
 
     section: str  # "actor" or "critic"
-
     loss_scale: DynamicLossScale | None = None  # float16 mixed precision only
+    offloader: TrainerStateOffloader | None = None  # <role>.offload
+    _resident_calls = 0
+
+    def start_offloading(self) -> None:
+        """With <role>.offload, from the end of init_model on: the parameters, gradients and
+        optimizer state wait off the device (workers/offload.py) whenever no call runs."""
+        if self.section_cfg().offload:
+            self.offloader = TrainerStateOffloader(self.model, self.optimizer, holding_dir=self.cfg.trainer.offload_dir)
+            self.offloader.offload()
 
     def section_cfg(self):
         return getattr(self.cfg, self.section)
@@ -102,6 +137,7 @@ class TrainableWorker(WorkerBase):
             raise ValueError(f"{self.role} rank {self.rank}: BatchMeta.dp_size={meta.dp_size} but this group has {self.world_size} ranks")
         return meta
 
+    @resident
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
         self.model.train()
@@ -188,6 +224,7 @@ class TrainableWorker(WorkerBase):
             return contextlib.nullcontext()
         return self.model.no_sync()
 
+    @resident
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full weights as the model's HF folder names them (rank 0; every rank must call under
         FSDP2): rollout sync, the weights at the end of a run, tests."""
@@ -205,6 +242,7 @@ class TrainableWorker(WorkerBase):
             return self.inference_weights(self.full_state_dict(self.model))
         return self.inference_weights({name: tensor.detach() for name, tensor in self.model.state_dict().items()})
 
+    @resident
     def open_weight_share(self) -> WeightLayout | None:
         """Rank 0 creates and fills the file and returns its layout (every rank calls: a collective)."""
         state = self._weights_to_publish()
@@ -224,6 +262,7 @@ class TrainableWorker(WorkerBase):
         if self.rank == 0 and os.path.exists(self._weight_share.layout.path):
             os.unlink(self._weight_share.layout.path)
 
+    @resident
     def publish_weights(self) -> bool:
         """Write the current weights into the shared file (every rank calls under FSDP2)."""
         state = self._weights_to_publish()
@@ -232,6 +271,7 @@ class TrainableWorker(WorkerBase):
         return True
 
     # -- checkpoint state -------------------------------------------------------------------------
+    @resident
     def state_for_checkpoint(self) -> dict:
         """Full (unsharded) model and optimizer state on rank 0, every rank's RNG states.
 
@@ -269,6 +309,7 @@ class TrainableWorker(WorkerBase):
                 if key != "params":
                     group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
+    @resident
     def load_checkpoint_state(self, state: dict, rng: dict | None = None, strict: bool = True) -> None:
         """Load a full state (every rank gets the whole of it); `rng` is this rank's RNG state.
         strict=False: state["model"] holds only some of the model's tensors (LoRA's adapters)."""

