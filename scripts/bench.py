@@ -333,6 +333,7 @@ _TIMED_METHODS = {
     "critic": ("compute_values", "update"),
     "reference": ("compute_ref_log_prob",),
     "rollout": ("generate", "load_weights", "load_shared_weights"),
+    "reward_model": ("score_texts",),
 }
 
 
@@ -362,7 +363,11 @@ def timed_workers() -> dict[str, type]:
     """{role: a timed subclass of its worker}, for PPOTrainer(worker_classes=...)."""
     from controllers.ppo import default_worker_classes
 
-    return {role: _timed_worker(cls, _TIMED_METHODS[role]) for role, cls in default_worker_classes().items()}
+    classes = default_worker_classes()
+    untimed = set(classes) - set(_TIMED_METHODS)
+    if untimed:  # a new role must say which of its calls the per-phase table times
+        raise KeyError(f"scripts/bench.py _TIMED_METHODS has no entry for the role(s) {sorted(untimed)}")
+    return {role: _timed_worker(cls, _TIMED_METHODS[role]) for role, cls in classes.items()}
 
 
 class RLFlowRun:
