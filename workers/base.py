@@ -246,13 +246,12 @@ class WorkerBase:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def wrap_for_training(self, model: torch.nn.Module, strategy: str, precision=None) -> torch.nn.Module:
+    def wrap_for_training(self, model: torch.nn.Module, strategy: str, precision) -> torch.nn.Module:
         """FSDP2 (fully_shard per decoder layer, then the root) or DDP when dp > 1; with mixed
         precision (workers/precision.py) FSDP2 wraps at dp=1 too, so its policy does the casting
         at every dp size."""
         model.to(self.device)
-        sharded_precision = precision is not None and precision.sharded
-        if not self.distributed and not sharded_precision:
+        if not self.distributed and not precision.sharded:
             return model
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -260,7 +259,7 @@ class WorkerBase:
             # gradients as views into DDP's reduction buckets: no second gradient-sized copy (and
             # an offload moves the buckets with the gradients, workers/offload.py)
             ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-            hook = precision.ddp_comm_hook() if precision is not None and precision.enabled else None
+            hook = precision.ddp_comm_hook() if precision.enabled else None
             if hook is not None:
                 ddp.register_comm_hook(None, hook)
             return ddp
@@ -270,7 +269,7 @@ class WorkerBase:
 
         if not self.distributed:
             one_rank_group()
-        policy = {"mp_policy": precision.fsdp_policy()} if precision is not None else {}
+        policy = {"mp_policy": precision.fsdp_policy()}
         for module in model.modules():
             if type(module).__name__.endswith("DecoderLayer"):
                 fully_shard(module, **policy)
