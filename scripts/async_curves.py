@@ -42,6 +42,16 @@ def run(seed: int, staleness: int, extra: list[str], out_dir: str) -> tuple[list
     return points, wall
 
 
+def mean_gap(values: list[float], reference: list[float]) -> str:
+    """The difference of the means and its standard error (Welch: each sample's own variance), so
+    a gap can be read against the seeds' noise; needs 2 or more seeds."""
+    if min(len(values), len(reference)) < 2:
+        return "-"
+    gap = statistics.fmean(values) - statistics.fmean(reference)
+    error = (statistics.variance(values) / len(values) + statistics.variance(reference) / len(reference)) ** 0.5
+    return f"{gap:+.3f} ({error:.3f}, {gap / error:+.1f} se)" if error > 0 else f"{gap:+.3f} (0)"
+
+
 def plot(curves: dict[tuple[int, int], list[tuple[int, float, float]]], path: str, title: str) -> None:
     """Left: accuracy by step; right: by training seconds (sum of timing/step: validation and
     worker start-up excluded)."""
@@ -97,15 +107,18 @@ def main() -> int:
     finals = {key: points[-1][1] for key, points in curves.items()}
     sync = [finals[(seed, 0)] for seed in args.seeds]
     low, high = min(sync), max(sync)
-    print("\n| max_staleness | final val acc per seed | mean | training s (mean) | wall s per run (mean) | within the sync spread |")
-    print("|---|---|---|---|---|---|")
+    print("\n| max_staleness | final val acc per seed | mean | mean - sync mean (standard error) | training s (mean) | "
+          "wall s per run (mean) | within the sync spread |")
+    print("|---|---|---|---|---|---|---|")
     for staleness in args.staleness:
         values = [finals[(seed, staleness)] for seed in args.seeds]
         mean = statistics.fmean(values)
         wall = statistics.fmean(walls[(seed, staleness)] for seed in args.seeds)
         train_s = statistics.fmean(curves[(seed, staleness)][-1][2] for seed in args.seeds)
         verdict = "(reference)" if staleness == 0 else ("yes" if low <= mean <= high else f"no: {mean:.3f} vs {low:.3f}..{high:.3f}")
-        print(f"| {staleness} | {' / '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | {train_s:.1f} | {wall:.1f} | {verdict} |")
+        gap = "" if staleness == 0 else mean_gap(values, sync)
+        print(f"| {staleness} | {' / '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | {gap} | {train_s:.1f} | {wall:.1f} "
+              f"| {verdict} |")
     title = "default run (tiny model, reverse task, 40 steps)" + (f": {' '.join(args.extra)}" if args.extra else ": PPO + critic")
     plot(curves, args.out, title)
     print(f"\nwrote {args.out}")
