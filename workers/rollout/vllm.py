@@ -244,11 +244,14 @@ class VLLMRollout(RolloutEngine):
         self._sleep_mode = bool(enable_sleep_mode) and _sleep_mode_available()
         if self._sleep_mode:
             engine_kwargs["enable_sleep_mode"] = True
+        max_model_len = max_model_len or self.max_prompt_length + self.max_response_length
+        if _on_cpu():
+            engine_kwargs.setdefault("max_num_batched_tokens", _unchunked_token_budget(max_model_len, engine_kwargs))
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
             seed=seed,
-            max_model_len=max_model_len or self.max_prompt_length + self.max_response_length,
+            max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             # rollout log-probs of the distribution actually sampled from (after temperature)
@@ -478,6 +481,21 @@ def _save_chunk(chunk: list[tuple[str, torch.Tensor]], path: str) -> None:
         seen.add(key)
         tensors[name] = tensor
     save_file(tensors, path)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _unchunked_token_budget(max_model_len: int, engine_kwargs: dict) -> int:
+    """vLLM-CPU: a step's token budget that holds every running request's whole prompt, so no
+    prompt is ever prefilled in chunks. A chunked prefill discards its sampled token and rewinds
+    the request's seeded generator, which CPU generators cannot (vLLM 0.32 raises "CPU Generator
+    does not use offset"): every seeded batch whose prompts exceed the default 4096 tokens failed."""
+    max_num_seqs = engine_kwargs.get("max_num_seqs") or 256  # vLLM-CPU's default for an LLM
+    return max(4096, int(max_num_seqs) * int(max_model_len))
 
 
 def _sleep_mode_available() -> bool:
