@@ -10,6 +10,8 @@ default multi-process mode (~60 s) to cover the file transport of weights throug
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip(
@@ -68,14 +70,23 @@ def _engine_actor(ray, model_dir, tok, **kwargs):
     return actor
 
 
+@contextlib.contextmanager
+def _running_engine(ray, model_dir, tok, **kwargs):
+    """An engine actor (_engine_actor), shut down and killed however the block ends."""
+    actor = _engine_actor(ray, model_dir, tok, **kwargs)
+    try:
+        yield actor
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=120)
+        ray.kill(actor)
+
+
 @pytest.fixture(scope="module")
 def engine(ray_session, tiny_model_dir, tok):
     ray = ray_session
-    actor = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=True)
-    assert ray.get(actor.__ray_call__.remote(lambda self: self.in_process), timeout=600) is True
-    yield actor
-    ray.get(actor.shutdown.remote(), timeout=120)
-    ray.kill(actor)
+    with _running_engine(ray, tiny_model_dir, tok, engine_in_process=True) as actor:
+        assert ray.get(actor.__ray_call__.remote(lambda self: self.in_process), timeout=600) is True
+        yield actor
 
 
 def _batch(tok, texts=PROMPTS) -> TensorDict:
@@ -305,8 +316,7 @@ def test_a_compiled_engine_generates_with_the_weights_loaded_after_compiling(ray
     constants): the greedy answer changes to the trained one and the log-probs are the updated HF
     model's, in float32."""
     ray = ray_session
-    engine = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=True, enforce_eager=False)
-    try:
+    with _running_engine(ray, tiny_model_dir, tok, engine_in_process=True, enforce_eager=False) as engine:
         probe = _batch(tok, ["Q: what is 3+4? A:"])
         before = _gen(ray, engine, probe, n=1, do_sample=False, return_log_probs=True)
         model = _hf_model(tiny_model_dir)
@@ -319,9 +329,6 @@ def test_a_compiled_engine_generates_with_the_weights_loaded_after_compiling(ray
         assert not torch.equal(after["responses"], before["responses"])
         diff = _max_diff(after["rollout_log_probs"], _hf_log_probs(model, after, 1.0), after["response_mask"])
         assert diff < TOL, diff
-    finally:
-        ray.get(engine.shutdown.remote(), timeout=120)
-        ray.kill(engine)
 
 
 def test_seeded_sampling_of_prompts_over_the_default_token_budget(ray_session, tok, tiny_model_dir):
@@ -331,8 +338,7 @@ def test_seeded_sampling_of_prompts_over_the_default_token_budget(ray_session, t
     (6400 tokens) sample, reproducibly by seed, with log-probs equal to HF's."""
     ray = ray_session
     prompt_length = 100
-    engine = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=True, max_prompt_length=prompt_length)
-    try:
+    with _running_engine(ray, tiny_model_dir, tok, engine_in_process=True, max_prompt_length=prompt_length) as engine:
         words = tok.encode(" ".join(PROMPTS * 40), add_special_tokens=False)
         rows = [words[i : i + prompt_length] for i in range(64)]
         assert all(len(row) == prompt_length for row in rows)
@@ -346,9 +352,6 @@ def test_seeded_sampling_of_prompts_over_the_default_token_budget(ray_session, t
         few = first[:4]
         hf = _hf_log_probs(_hf_model(tiny_model_dir), few, TEMPERATURE)
         assert _max_diff(few["rollout_log_probs"], hf, few["response_mask"]) < TOL
-    finally:
-        ray.get(engine.shutdown.remote(), timeout=120)
-        ray.kill(engine)
 
 
 def test_load_weights_errors_leave_engine_usable(ray_session, engine, tok, tiny_model_dir):
@@ -370,9 +373,8 @@ def test_load_weights_errors_leave_engine_usable(ray_session, engine, tok, tiny_
 def test_multiprocess_engine_file_transport(ray_session, tiny_model_dir, tok):
     """vLLM's default mode (engine in its own process): weights travel as safetensors files."""
     ray = ray_session
-    actor = _engine_actor(ray, tiny_model_dir, tok, engine_in_process=False)
-    assert ray.get(actor.__ray_call__.remote(lambda self: self.in_process), timeout=600) is False
-    try:
+    with _running_engine(ray, tiny_model_dir, tok, engine_in_process=False) as actor:
+        assert ray.get(actor.__ray_call__.remote(lambda self: self.in_process), timeout=600) is False
         batch = _batch(tok)
         model = _hf_model(tiny_model_dir)
         _train_to_answer(model, tok, "abc", tok.encode(" 42", add_special_tokens=False) + [tok.eos_token_id])
@@ -381,9 +383,6 @@ def test_multiprocess_engine_file_transport(ray_session, tiny_model_dir, tok):
         _check_layout(out, batch, 2, tok)
         diff = _max_diff(out["rollout_log_probs"], _hf_log_probs(model, out, TEMPERATURE), out["response_mask"])
         assert diff < TOL, diff
-    finally:
-        ray.get(actor.shutdown.remote(), timeout=120)
-        ray.kill(actor)
 
 
 def test_ppo_three_steps_with_vllm_rollout(ray_session, tiny_model_dir, tmp_path):
