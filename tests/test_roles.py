@@ -48,12 +48,13 @@ def test_bad_role_declarations_are_refused():
 
 class TokenScorer(ReferenceWorker):
     """A second frozen model scoring every response token: its log-prob under the policy's
-    starting weights (so it must equal the reference's)."""
+    starting weights, with the reference's micro-batch size (so it must equal the reference's
+    bitwise: a different row count per matmul may round differently on some CPUs)."""
 
     role = "scorer"
 
     def score_tokens(self, td):
-        return self._log_prob_shard(td, 4, "scorer_log_probs")
+        return self._log_prob_shard(td, self.cfg.reference.log_prob_micro_batch_size_per_gpu, "scorer_log_probs")
 
 
 SCORER = Role(
