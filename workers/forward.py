@@ -2,10 +2,15 @@
 
 Columns that are padding in every row of the micro-batch are cut off before the forward (the
 prompt's left padding, the responses' right padding), so a token-budget micro-batch of short
-rows costs little; results are padded back to the full response width with zeros.
+rows costs little; results are padded back to the full response width with zeros. A causal LM
+computes its vocabulary projection only on the columns that predict response tokens
+(`logits_to_keep`): the prompt's logits are never used.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from tensordict import TensorDict
@@ -25,17 +30,37 @@ def _trim_window(td: TensorDict) -> tuple[int, int, int]:
     return left, prompt_width, kept
 
 
-def _forward_window(model: torch.nn.Module, td: TensorDict) -> tuple[torch.Tensor, int]:
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside the DDP and peft wrappers (FSDP2 keeps the model itself)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    get_base_model = getattr(model, "get_base_model", None)  # peft
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _forward_window(model: torch.nn.Module, td: TensorDict, response_only: bool = False) -> tuple[torch.Tensor, int]:
+    """The model's per-column output for the columns that predict response tokens 0 .. kept-1."""
     left, prompt_width, kept = _trim_window(td)
     end = prompt_width + kept
+    # position t predicts token t+1: response token j is predicted at column prompt_width-1+j,
+    # so the response's predictions are the window's last kept+1 columns but the final one
+    extra = {}
+    start = prompt_width - 1 - left
+    if response_only and _takes_logits_to_keep(type(_hf_model(model))):
+        extra["logits_to_keep"] = kept + 1
+        start = 0
     output = model(
         input_ids=td["input_ids"][:, left:end],
         attention_mask=td["attention_mask"][:, left:end],
         position_ids=td["position_ids"][:, left:end],
         use_cache=False,
+        **extra,
     )
-    # position t predicts token t+1: response token j is predicted at column prompt_width-1+j
-    start = prompt_width - 1 - left
     return output.logits[:, start : start + kept], kept
 
 
@@ -49,7 +74,7 @@ def response_log_probs(
     model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token) under logits / temperature (the sampling distribution), [B, R]."""
-    logits, kept = _forward_window(model, td)
+    logits, kept = _forward_window(model, td, response_only=True)
     logits = logits.float() / temperature
     tokens = td["responses"][:, :kept]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
