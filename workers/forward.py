@@ -2,9 +2,9 @@
 
 Columns that are padding in every row of the micro-batch are cut off before the forward (the
 prompt's left padding, the responses' right padding), so a token-budget micro-batch of short
-rows costs little; results are padded back to the full response width with zeros. A causal LM
-computes its vocabulary projection only on the columns that predict response tokens
-(`logits_to_keep`): the prompt's logits are never used.
+rows costs little; results are padded back to the full response width with zeros. A model whose
+forward takes `logits_to_keep` (a causal LM) computes its head only on the columns that predict
+response tokens: the prompt's outputs are never used.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
-def _forward_window(model: torch.nn.Module, td: TensorDict, response_only: bool = False) -> tuple[torch.Tensor, int]:
+def _forward_window(model: torch.nn.Module, td: TensorDict) -> tuple[torch.Tensor, int]:
     """The model's per-column output for the columns that predict response tokens 0 .. kept-1."""
     left, prompt_width, kept = _trim_window(td)
     end = prompt_width + kept
@@ -51,7 +51,7 @@ def _forward_window(model: torch.nn.Module, td: TensorDict, response_only: bool 
     # so the response's predictions are the window's last kept+1 columns but the final one
     extra = {}
     start = prompt_width - 1 - left
-    if response_only and _takes_logits_to_keep(type(_hf_model(model))):
+    if _takes_logits_to_keep(type(_hf_model(model))):
         extra["logits_to_keep"] = kept + 1
         start = 0
     output = model(
@@ -74,7 +74,7 @@ def response_log_probs(
     model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token) under logits / temperature (the sampling distribution), [B, R]."""
-    logits, kept = _forward_window(model, td, response_only=True)
+    logits, kept = _forward_window(model, td)
     logits = logits.float() / temperature
     tokens = td["responses"][:, :kept]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
