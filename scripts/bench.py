@@ -13,8 +13,9 @@ What it times, for the same tiny model, prompts, batch, sequence lengths and num
 2. rlflow PPOTrainer.train_step with the same config on one Ray instance, started before any
           timing (Ray start and worker start are reported on their own).
 3. TRL    GRPOTrainer (scripts/bench_trl.py, run with the TRL venv in a subprocess) against rlflow
-          with algorithm.adv_estimator=grpo on the same work; skipped with a message when the TRL
-          venv is absent.
+          with algorithm.adv_estimator=grpo on the same work, one process per torch thread count
+          (--trl-threads, default 1 and the core count), interleaved like the rest; rlflow is
+          compared with the fastest of them. Skipped with a message when the TRL venv is absent.
 4. async  rlflow with trainer.max_staleness=1 (--async-staleness; 0 leaves it out): the next
           step's rollout is generated while this step trains. Its row of the x1 PPO and the GRPO
           tables is compared with the synchronous default ("asynchronous rollout" section).
@@ -592,6 +593,9 @@ def main() -> int:
     p.add_argument("--scales", default="1,2,4", help="batch multipliers for the scaling rows")
     p.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--trl-threads", default=None,
+                   help="comma-separated torch thread counts of TRL, one TRL process each; the ratios use the fastest "
+                        "(default: 1 and the core count)")
     p.add_argument("--model", default="tiny",
                    help="a model folder; 'tiny' (default): the config default, rlflow.tiny.warm_start of the default "
                         "synthetic task (built once, cached); 'random': a fresh rlflow.tiny.build_tiny_model; an alias "
@@ -626,6 +630,7 @@ def main() -> int:
         os.environ["RLFLOW_WORKER_THREADS"] = str(args.worker_threads)
     if args.bare_threads:
         torch.set_num_threads(args.bare_threads)
+    trl_threads = sorted({int(t) for t in (args.trl_threads or f"1,{os.cpu_count() or 1}").split(",") if t})
     scales = [int(s) for s in args.scales.split(",") if s]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     extra = dict(kv.split("=", 1) for kv in args.extra)
@@ -690,7 +695,7 @@ def main() -> int:
         seqs = args.batch * args.n
         grpo_extra = {"algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": seqs, **extra}
         ov = ppo_overrides(model_dir, args.batch, args.n, args.prompt_len, args.response_len, seqs, args.micro, grpo_extra)
-        trl = None
+        trls: dict[str, TRLRun] = {}
         trl_note = ""
         if args.no_trl:
             trl_note = "TRL skipped (--no-trl)"
@@ -708,10 +713,12 @@ def main() -> int:
                 with open(prompts_file, "w") as f:
                     json.dump([{"prompt": ds.items[i]["raw_prompt"], "data_source": ds.items[i]["data_source"],
                                 "ground_truth": ds.items[i]["ground_truth"]} for i in order], f)
-                trl = TRLRun(args.trl_python, model_dir, prompts_file, args.batch, args.n, args.response_len,
-                             args.micro, rl.cfg.actor.optim.lr, args.warmup + args.steps, 0, args.bare_threads)
-                log(f"TRL start {trl.setup_s:.1f}s {trl.versions}")
-                runs["trl"] = trl
+                for threads in trl_threads:
+                    trl = TRLRun(args.trl_python, model_dir, prompts_file, args.batch, args.n, args.response_len,
+                                 args.micro, rl.cfg.actor.optim.lr, args.warmup + args.steps, 0, threads)
+                    trls[f"trl@{threads}"] = trl
+                    log(f"TRL at {threads} thread(s) start {trl.setup_s:.1f}s {trl.versions}")
+                runs.update(trls)
             runs["rlflow"] = rl
             runs.update(start_variants(args.variant, ov))
             runs["bare"] = BareLoop(rl.trainer.cfg, model_dir, rl.trainer.train_dataset)
@@ -720,11 +727,16 @@ def main() -> int:
             rss = peak_rss_of(runs)
         finally:
             shutdown_rlflow_runs({**runs, "rlflow": rl})  # rl is not in runs yet if TRL failed to start
-            if trl is not None:
+            for trl in trls.values():
                 trl.shutdown()
+        fastest = None
+        if trls:  # the report compares rlflow with TRL at its fastest thread count
+            fastest = min(trls, key=lambda name: med(rec[name], "step"))
+            rec["trl"] = rec[fastest]
         results["rows"].append({"algo": "grpo", "scale": 1, "prompts": args.batch, "sequences": seqs,
-                                "worker_start_s": rl.setup_s, "trl_start_s": trl.setup_s if trl else None,
-                                "trl_versions": trl.versions if trl else None, "trl_note": trl_note,
+                                "worker_start_s": rl.setup_s, "trl_fastest": fastest,
+                                "trl_start_s": trls[fastest].setup_s if fastest else None,
+                                "trl_versions": trls[fastest].versions if fastest else None, "trl_note": trl_note,
                                 "load": load.summary(mark), "records": rec, "peak_rss_mib": rss})
         results["load_all"] = load.summary()
     return finish(results, args)
@@ -820,7 +832,10 @@ def report(results: dict, args) -> str:
         if row.get("trl_note"):
             add(f"\n{row['trl_note']}")
         if row.get("trl_versions"):
-            add(f"\nTRL: {row['trl_versions']}, start {row['trl_start_s']:.1f} s")
+            by_threads = ", ".join(f"{name[4:]} thread(s) {fmt(med(recs, 'step'))} s/step"
+                                   for name, recs in row["records"].items() if name.startswith("trl@"))
+            add(f"\nTRL: {row['trl_versions']}, start {row['trl_start_s']:.1f} s; {by_threads}; the TRL columns and "
+                f"ratios are its fastest, {row['trl_fastest'][4:]} thread(s)")
     ppo = [row for row in results["rows"] if row["algo"] == "ppo"]
     if len(ppo) > 1:
         add("")
