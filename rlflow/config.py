@@ -52,6 +52,9 @@ class ModelConfig:
     path: str = "tiny"
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    # the rows of a micro-batch with the same prompt (rollout.n responses) run the prompt once
+    # (workers/forward.py); outputs equal the plain forward's up to float rounding
+    share_prompt_forward: bool = True
 
 
 @dataclass

@@ -143,23 +143,50 @@ def split_dp(td: TensorDict, dp_size: int, balance_by_tokens: bool = False) -> t
     return [td[idx] for idx in indices], indices
 
 
+def prompt_groups(td: TensorDict) -> torch.Tensor:
+    """[B] index of each row's prompt among the distinct prompts of `td`, numbered in order of
+    first appearance (0..B-1 when no prompt repeats)."""
+    prompt_width = td["prompts"].shape[1]
+    key = torch.cat([td["prompts"], td["attention_mask"][:, :prompt_width]], dim=1)
+    if key.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=key.device)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    num_prompts = int(inverse.max()) + 1
+    rows = torch.arange(key.shape[0], device=key.device)
+    first_row = torch.full((num_prompts,), key.shape[0], device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    number = torch.empty_like(first_row)
+    number[torch.argsort(first_row)] = torch.arange(num_prompts, device=key.device)
+    return number[inverse]
+
+
+def grouped_by_prompt(td: TensorDict) -> torch.Tensor:
+    """Row order that puts the rows of each prompt next to each other, groups in order of first
+    appearance, rows in their order within a group (the identity when no prompt repeats)."""
+    return torch.argsort(prompt_groups(td), stable=True)
+
+
 def plan_micro_batches(
     td: TensorDict,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
     num_micro_batches: int | None = None,
+    group_prompts: bool = False,
 ) -> list[torch.Tensor]:
     """Row indices of each micro-batch of a shard.
 
-    Fixed size: consecutive chunks of `micro_batch_size`. Token budget (dynamic batch size): the
-    number of bins the budget needs, or `num_micro_batches` when the driver asks for more so that
-    all dp ranks run the same count; rows are balanced by token count across those bins.
+    Fixed size: consecutive chunks of `micro_batch_size`; with `group_prompts`, chunks of the rows
+    in grouped_by_prompt order, so that a shared-prompt forward finds a prompt's rows together
+    (which rows share a micro-batch changes no loss: each term divides by the mini-batch's
+    counts). Token budget (dynamic batch size): the number
+    of bins the budget needs, or `num_micro_batches` when the driver asks for more so that all dp
+    ranks run the same count; rows are balanced by token count across those bins.
     """
     n_rows = td.batch_size[0]
     if max_token_len is None and num_micro_batches is None:
         if not micro_batch_size or micro_batch_size <= 0:
             raise ValueError("give micro_batch_size, or max_token_len for dynamic batch size")
-        return list(torch.arange(n_rows).split(micro_batch_size))
+        order = grouped_by_prompt(td) if group_prompts else torch.arange(n_rows)
+        return list(order.split(micro_batch_size))
     weights = row_token_counts(td).tolist()
     count = num_bins_for_token_budget(weights, max_token_len) if max_token_len else 1
     if num_micro_batches is not None:

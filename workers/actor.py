@@ -14,7 +14,7 @@ from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers import lora
 from workers.base import WorkerBase
-from workers.forward import response_log_probs
+from workers.forward import response_log_probs, share_prompt_setting
 from workers.precision import DTYPES, Precision, cast_parameters_
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing, resident
 
@@ -34,16 +34,16 @@ def load_causal_lm(path: str, dtype: str) -> torch.nn.Module:
 class LogProbMixin:
     """compute_log_prob over a shard, micro-batched, no grad."""
 
+    share_prompt = False  # actor.model.share_prompt_forward, where the model supports it
+
     def _log_prob_shard(self, td: TensorDict, micro_batch_size: int, out_key: str) -> TensorDict:
         self.model.eval()
         td = td.to(self.device)
         temperature = self.cfg.rollout.temperature
-        outputs = []
+        result = td["responses"].new_zeros(td["responses"].shape, dtype=torch.float32)
         with torch.no_grad(), self.forward_context():
-            for idx in plan_micro_batches(td, micro_batch_size=micro_batch_size):
-                log_probs, _ = response_log_probs(self.model, td[idx], temperature)
-                outputs.append(log_probs)
-        result = torch.cat(outputs) if outputs else td["responses"].new_zeros(td["responses"].shape, dtype=torch.float32)
+            for idx in plan_micro_batches(td, micro_batch_size=micro_batch_size, group_prompts=self.share_prompt):
+                result[idx], _ = response_log_probs(self.model, td[idx], temperature, share_prompt=self.share_prompt)
         return TensorDict({out_key: result.cpu()}, batch_size=td.batch_size)
 
 
@@ -59,6 +59,7 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         if self.uses_lora:
             model = lora.add_adapters(model, actor.lora, seed=self.cfg.trainer.seed)
             self.adapter_config = lora.adapter_config(model)
+        self.share_prompt = share_prompt_setting(model, actor.model.share_prompt_forward, "actor.model.share_prompt_forward")
         self.model = self.wrap_trainable(model)
         self.optimizer = build_optimizer(self.model.parameters(), actor.optim)  # the trainable ones
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
@@ -128,7 +129,8 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         return super().update(shards)
 
     def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
-        log_prob, entropy = response_log_probs(self.model, micro, self.cfg.rollout.temperature, with_entropy=True)
+        log_prob, entropy = response_log_probs(self.model, micro, self.cfg.rollout.temperature, with_entropy=True,
+                                               share_prompt=self.share_prompt)
         forward = {"log_probs": log_prob, "entropy": entropy}
         if "old_log_probs" not in micro.keys():
             # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
@@ -163,6 +165,8 @@ class ReferenceWorker(LogProbMixin, WorkerBase):
     def init_model(self, model_path: str) -> int:
         model = load_causal_lm(model_path, self.cfg.actor.model.dtype)
         model.requires_grad_(False)
+        self.share_prompt = share_prompt_setting(model, self.cfg.actor.model.share_prompt_forward,
+                                                 "actor.model.share_prompt_forward")
         num_params = sum(p.numel() for p in model.parameters())
         # the actor's compute numerics, so that the KL of identical weights is 0
         self.precision = Precision.of(self.cfg.actor)

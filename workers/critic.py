@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from rlflow.algos import compose_loss, critic_loss_terms, masked_mean_metric
 from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
-from workers.forward import response_values
+from workers.forward import response_values, share_prompt_setting
 from workers.precision import DTYPES
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing, resident
 
@@ -34,6 +34,7 @@ class CriticWorker(TrainableWorker):
         model = load_value_model(model_path, critic.model.dtype)
         if critic.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        self.share_prompt = share_prompt_setting(model, critic.model.share_prompt_forward, "critic.model.share_prompt_forward")
         self.model = self.wrap_trainable(model)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
@@ -46,14 +47,15 @@ class CriticWorker(TrainableWorker):
     def compute_values(self, td: TensorDict) -> TensorDict:
         self.model.eval()
         td = td.to(self.device)
-        outputs = []
+        values = td["responses"].new_zeros(td["responses"].shape, dtype=torch.float32)
         with torch.no_grad(), self.forward_context():
-            for idx in plan_micro_batches(td, micro_batch_size=self.cfg.critic.forward_micro_batch_size_per_gpu):
-                outputs.append(response_values(self.model, td[idx]) * td[idx]["response_mask"])
-        return TensorDict({"values": torch.cat(outputs).cpu()}, batch_size=td.batch_size)
+            for idx in plan_micro_batches(td, micro_batch_size=self.cfg.critic.forward_micro_batch_size_per_gpu,
+                                          group_prompts=self.share_prompt):
+                values[idx] = response_values(self.model, td[idx], self.share_prompt) * td[idx]["response_mask"]
+        return TensorDict({"values": values.cpu()}, batch_size=td.batch_size)
 
     def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
-        vpreds = response_values(self.model, micro)
+        vpreds = response_values(self.model, micro, self.share_prompt)
         loss, metrics = compose_loss(self.loss_terms, ChainMap({"vpreds": vpreds}, micro), meta, prefix="critic/")
         metrics["critic/vpred_mean"] = masked_mean_metric(vpreds, micro["response_mask"])
         return loss, metrics

@@ -5,17 +5,31 @@ prompt's left padding, the responses' right padding), so a token-budget micro-ba
 rows costs little; results are padded back to the full response width with zeros. A model whose
 forward takes `logits_to_keep` (a causal LM) computes its head only on the columns that predict
 response tokens: the prompt's outputs are never used.
+
+With `share_prompt` (<role>.model.share_prompt_forward), rows of a micro-batch with the same
+prompt (a prompt's rollout.n responses) run as one sequence: the prompt once, then each row's
+response, with an attention mask that lets every response see the prompt and itself only and
+position ids that continue the prompt's for each of them. Every response token sees exactly the
+keys and positions of the plain forward, so the outputs are the plain forward's up to float
+rounding (the matmuls have other shapes), and the prompt's cost is paid once per group instead of
+once per row. A micro-batch without a repeated prompt, or whose packed sequences would cost more
+multiply-adds than the plain forward (long responses: attention grows with the square of the
+packed length), takes the plain forward, bitwise as before.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 from tensordict import TensorDict
 
 from rlflow.algos import entropy_from_logits
+from rlflow.protocol import prompt_groups
+
+logger = logging.getLogger(__name__)
 
 
 def _trim_window(td: TensorDict) -> tuple[int, int, int]:
@@ -43,7 +57,118 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
-def _forward_window(model: torch.nn.Module, td: TensorDict) -> tuple[torch.Tensor, int]:
+def share_prompt_setting(model: torch.nn.Module, requested: bool, key: str) -> bool:
+    """Whether a role's forwards share prompts: `key` is set and the model supports it (a model that
+    does not is warned about once, naming the key, and runs the plain forward)."""
+    if requested and not supports_shared_prompt(model):
+        config = _hf_model(model).config
+        logger.warning("%s: the model (attention %s, sliding window %s) cannot take the shared-prompt mask; its "
+                       "forwards run every row's prompt. Set %s=false to silence this.",
+                       key, getattr(config, "_attn_implementation", None), getattr(config, "sliding_window", None), key)
+        return False
+    return requested
+
+
+def supports_shared_prompt(model: torch.nn.Module) -> bool:
+    """Whether the model takes the custom 4D attention mask the shared-prompt forward needs: sdpa
+    or eager attention over full causal attention (a sliding window would be ignored by it)."""
+    config = _hf_model(model).config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return (
+        hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads")  # for _forward_cost
+        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+        and getattr(config, "sliding_window", None) is None
+        and all(kind == "full_attention" for kind in layer_types)
+    )
+
+
+def _forward_cost(config, sequences: int, width: int) -> float:
+    """Multiply-adds of a forward over `sequences` x `width` tokens, per layer: the projections and
+    the MLP per token, and q.k plus p.v per query-key pair (sdpa with a mask computes every pair)."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
+    return sequences * width * per_token + sequences * width * width * 2 * heads * head_dim
+
+
+def _packed_layout(td: TensorDict, group: torch.Tensor, prompt_width: int, kept: int, prompt_cols: int):
+    """Each row's segment length and start in its group's packed sequence, and that sequence's length."""
+    attention = td["attention_mask"]
+    device = attention.device
+    num_groups = int(group.max()) + 1
+    columns = torch.arange(kept, device=device)
+    # a row's segment: its response columns up to the last one that is a real token
+    response_attention = attention[:, prompt_width : prompt_width + kept].bool()
+    segment_len = torch.where(response_attention, columns + 1, torch.zeros_like(columns)).amax(dim=1)
+    # a segment starts after the prompt and the segments of its group's earlier rows
+    order = torch.argsort(group, stable=True)
+    starts_sorted = torch.cumsum(segment_len[order], 0) - segment_len[order]
+    group_start = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_reduce(
+        0, group[order], starts_sorted, "amin", include_self=False)
+    offsets = torch.empty_like(segment_len)
+    offsets[order] = prompt_cols + starts_sorted - group_start[group[order]]
+    return segment_len, offsets, max(int((offsets + segment_len).max()), prompt_cols)
+
+
+def _shared_prompt_forward(
+    model: torch.nn.Module, td: TensorDict, group: torch.Tensor, layout: tuple, left: int, prompt_width: int,
+    kept: int, extra: dict,
+) -> torch.Tensor:
+    """The plain forward's per-row output for the columns that predict response tokens 0..kept-1
+    ([B, kept, ...]), computed with each group's prompt once (see the module docstring)."""
+    ids, attention, positions = td["input_ids"], td["attention_mask"], td["position_ids"]
+    device = ids.device
+    rows = ids.shape[0]
+    num_groups = int(group.max()) + 1
+    prompt_cols = prompt_width - left  # the packed sequence starts with the trimmed prompt
+    response_attention = attention[:, prompt_width : prompt_width + kept].bool()
+    columns = torch.arange(kept, device=device)
+    segment_len, offsets, length = layout
+
+    first_row = torch.full((num_groups,), rows, dtype=torch.long, device=device).scatter_reduce(
+        0, group, torch.arange(rows, device=device), "amin")
+    packed_ids = ids.new_zeros(num_groups, length)
+    packed_positions = positions.new_zeros(num_groups, length)
+    key_valid = torch.zeros(num_groups, length, dtype=torch.bool, device=device)
+    segment = torch.full((num_groups, length), -2, dtype=torch.long, device=device)  # -2: filler
+    packed_ids[:, :prompt_cols] = ids[first_row, left:prompt_width]
+    packed_positions[:, :prompt_cols] = positions[first_row, left:prompt_width]
+    key_valid[:, :prompt_cols] = attention[first_row, left:prompt_width].bool()
+    segment[:, :prompt_cols] = -1  # -1: the prompt, seen by every segment
+    row, column = (columns[None, :] < segment_len[:, None]).nonzero(as_tuple=True)
+    target_group, target_column = group[row], offsets[row] + column
+    packed_ids[target_group, target_column] = ids[row, prompt_width + column]
+    packed_positions[target_group, target_column] = positions[row, prompt_width + column]
+    key_valid[target_group, target_column] = response_attention[row, column]
+    segment[target_group, target_column] = row
+
+    index = torch.arange(length, device=device)
+    causal = index[None, :] <= index[:, None]
+    same_segment = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
+    mask = causal[None] & same_segment & key_valid[:, None, :]
+    # a query with no key at all (padding) attends to itself: finite, and never read
+    mask |= torch.eye(length, dtype=torch.bool, device=device)[None] & ~mask.any(dim=-1, keepdim=True)
+    mask = mask[:, None]
+    if _hf_model(model).config._attn_implementation == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+    first_kept = 0
+    if "logits_to_keep" in extra:  # the head runs from the prompt's last column on
+        first_kept = prompt_cols - 1
+        extra = {"logits_to_keep": length - first_kept}
+    output = model(input_ids=packed_ids, attention_mask=mask, position_ids=packed_positions, use_cache=False, **extra)
+    # response token j is predicted by the column of token j-1, token 0 by the prompt's last column;
+    # the columns past a row's segment are padding, read from the prompt's last column
+    source = offsets[:, None] + columns[None, :] - 1
+    from_prompt = (columns[None, :] == 0) | (columns[None, :] > segment_len[:, None])
+    source = torch.where(from_prompt, torch.full_like(source, prompt_cols - 1), source)
+    return output.logits[group[:, None], source - first_kept]
+
+
+def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False) -> tuple[torch.Tensor, int]:
     """The model's per-column output for the columns that predict response tokens 0 .. kept-1."""
     left, prompt_width, kept = _trim_window(td)
     end = prompt_width + kept
@@ -54,6 +179,16 @@ def _forward_window(model: torch.nn.Module, td: TensorDict) -> tuple[torch.Tenso
     if _takes_logits_to_keep(type(_hf_model(model))):
         extra["logits_to_keep"] = kept + 1
         start = 0
+    if share_prompt:
+        group = prompt_groups(td)
+        num_groups, rows = int(group.max()) + 1, group.numel()
+        if num_groups < rows:
+            layout = _packed_layout(td, group, prompt_width, kept, prompt_width - left)
+            # long responses behind a short prompt make the packed sequence's attention (every
+            # pair of its columns) cost more than the prompt saves: then the plain forward runs
+            config = _hf_model(model).config
+            if _forward_cost(config, num_groups, layout[2]) < _forward_cost(config, rows, end - left):
+                return _shared_prompt_forward(model, td, group, layout, left, prompt_width, kept, extra), kept
     output = model(
         input_ids=td["input_ids"][:, left:end],
         attention_mask=td["attention_mask"][:, left:end],
@@ -71,10 +206,10 @@ def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def response_log_probs(
-    model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False
+    model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False, share_prompt: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token) under logits / temperature (the sampling distribution), [B, R]."""
-    logits, kept = _forward_window(model, td)
+    logits, kept = _forward_window(model, td, share_prompt)
     logits = logits.float() / temperature
     tokens = td["responses"][:, :kept]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -83,7 +218,7 @@ def response_log_probs(
     return _pad_to(log_probs, width), entropy
 
 
-def response_values(model: torch.nn.Module, td: TensorDict) -> torch.Tensor:
+def response_values(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False) -> torch.Tensor:
     """V(state before each response token), [B, R], from a model with a scalar head."""
-    scores, kept = _forward_window(model, td)
+    scores, kept = _forward_window(model, td, share_prompt)
     return _pad_to(scores.squeeze(-1).float(), td["responses"].shape[1])

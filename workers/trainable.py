@@ -61,15 +61,16 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def micro_batch_plan(section, shard: TensorDict) -> dict:
+def micro_batch_plan(section, shard: TensorDict, group_prompts: bool = False) -> dict:
     """How a rank cuts its shard of a mini-batch into micro-batches (plan_micro_batches' kwargs):
-    a fixed size, or the token budget with the count the driver asks every rank to run."""
+    a fixed size (a prompt's rows together when the forward shares prompts), or the token budget
+    with the count the driver asks every rank to run."""
     if section.use_dynamic_bsz:
         plan = {"max_token_len": section.ppo_max_token_len_per_gpu}
         if MICRO_PLAN_KEY in shard.keys():
             plan["num_micro_batches"] = int(shard.get_non_tensor(MICRO_PLAN_KEY))
         return plan
-    return {"micro_batch_size": section.ppo_micro_batch_size_per_gpu}
+    return {"micro_batch_size": section.ppo_micro_batch_size_per_gpu, "group_prompts": group_prompts}
 
 
 def resident(method):
@@ -103,6 +104,7 @@ class TrainableWorker(WorkerBase):
     section: str  # "actor" or "critic"
     loss_scale: DynamicLossScale | None = None  # float16 mixed precision only
     offloader: TrainerStateOffloader | None = None  # <role>.offload
+    share_prompt = False  # <role>.model.share_prompt_forward, where the model supports it
     _resident_calls = 0
 
     def start_offloading(self) -> None:
@@ -147,7 +149,7 @@ class TrainableWorker(WorkerBase):
         for minibatch_index, shard in enumerate(shards):
             shard = shard.to(self.device)
             meta = self._loss_meta(get_meta(shard))
-            micros, _ = split_micro_batches(shard, **micro_batch_plan(section, shard))
+            micros, _ = split_micro_batches(shard, **micro_batch_plan(section, shard, self.share_prompt))
             records: list[dict[str, Metric]] = []
             self.optimizer.zero_grad(set_to_none=True)
             finite_loss = True
