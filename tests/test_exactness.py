@@ -280,7 +280,8 @@ def test_dp2_shards_hold_unequal_token_counts(fits):
             for j in range(len(ranks[0])):
                 rank_tokens = []
                 for shards in ranks:
-                    micros, _ = split_micro_batches(shards[j], **micro_batch_plan(trainer.cfg.actor, shards[j]))
+                    group = trainer.cfg.actor.model.share_prompt_forward  # as the actor worker plans
+                    micros, _ = split_micro_batches(shards[j], **micro_batch_plan(trainer.cfg.actor, shards[j], group))
                     counts = [int(m["response_mask"].sum()) for m in micros]
                     unequal_micro += len(set(counts)) > 1
                     rank_tokens.append(counts)
