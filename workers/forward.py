@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -94,14 +95,21 @@ def _forward_cost(config, sequences: int, width: int) -> float:
     return sequences * width * per_token + sequences * width * width * 2 * heads * head_dim
 
 
-def _packed_layout(td: TensorDict, group: torch.Tensor, prompt_width: int, kept: int, prompt_cols: int):
-    """Each row's segment length and start in its group's packed sequence, and that sequence's length."""
-    attention = td["attention_mask"]
-    device = attention.device
+class _Packing(NamedTuple):
+    """Where each row's response goes in its group's packed sequence (the prompt's columns first)."""
+
+    num_groups: int
+    prompt_cols: int
+    segment_len: torch.Tensor  # [B] the row's response columns up to its last real token
+    offsets: torch.Tensor  # [B] the column its segment starts at
+    length: int  # the packed sequences' width
+
+
+def _packing(td: TensorDict, group: torch.Tensor, prompt_cols: int, prompt_width: int, kept: int) -> _Packing:
+    device = group.device
     num_groups = int(group.max()) + 1
     columns = torch.arange(kept, device=device)
-    # a row's segment: its response columns up to the last one that is a real token
-    response_attention = attention[:, prompt_width : prompt_width + kept].bool()
+    response_attention = td["attention_mask"][:, prompt_width : prompt_width + kept].bool()
     segment_len = torch.where(response_attention, columns + 1, torch.zeros_like(columns)).amax(dim=1)
     # a segment starts after the prompt and the segments of its group's earlier rows
     order = torch.argsort(group, stable=True)
@@ -110,11 +118,12 @@ def _packed_layout(td: TensorDict, group: torch.Tensor, prompt_width: int, kept:
         0, group[order], starts_sorted, "amin", include_self=False)
     offsets = torch.empty_like(segment_len)
     offsets[order] = prompt_cols + starts_sorted - group_start[group[order]]
-    return segment_len, offsets, max(int((offsets + segment_len).max()), prompt_cols)
+    length = max(int((offsets + segment_len).max()), prompt_cols)
+    return _Packing(num_groups, prompt_cols, segment_len, offsets, length)
 
 
 def _shared_prompt_forward(
-    model: torch.nn.Module, td: TensorDict, group: torch.Tensor, layout: tuple, left: int, prompt_width: int,
+    model: torch.nn.Module, td: TensorDict, group: torch.Tensor, packing: _Packing, left: int, prompt_width: int,
     kept: int, extra: dict,
 ) -> torch.Tensor:
     """The plain forward's per-row output for the columns that predict response tokens 0..kept-1
@@ -122,11 +131,9 @@ def _shared_prompt_forward(
     ids, attention, positions = td["input_ids"], td["attention_mask"], td["position_ids"]
     device = ids.device
     rows = ids.shape[0]
-    num_groups = int(group.max()) + 1
-    prompt_cols = prompt_width - left  # the packed sequence starts with the trimmed prompt
+    num_groups, prompt_cols, segment_len, offsets, length = packing
     response_attention = attention[:, prompt_width : prompt_width + kept].bool()
     columns = torch.arange(kept, device=device)
-    segment_len, offsets, length = layout
 
     first_row = torch.full((num_groups,), rows, dtype=torch.long, device=device).scatter_reduce(
         0, group, torch.arange(rows, device=device), "amin")
@@ -181,14 +188,14 @@ def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
         start = 0
     if share_prompt:
         group = prompt_groups(td)
-        num_groups, rows = int(group.max()) + 1, group.numel()
-        if num_groups < rows:
-            layout = _packed_layout(td, group, prompt_width, kept, prompt_width - left)
+        if int(group.max()) + 1 < group.numel():
+            packing = _packing(td, group, prompt_width - left, prompt_width, kept)
             # long responses behind a short prompt make the packed sequence's attention (every
             # pair of its columns) cost more than the prompt saves: then the plain forward runs
             config = _hf_model(model).config
-            if _forward_cost(config, num_groups, layout[2]) < _forward_cost(config, rows, end - left):
-                return _shared_prompt_forward(model, td, group, layout, left, prompt_width, kept, extra), kept
+            plain_cost = _forward_cost(config, group.numel(), end - left)
+            if _forward_cost(config, packing.num_groups, packing.length) < plain_cost:
+                return _shared_prompt_forward(model, td, group, packing, left, prompt_width, kept, extra), kept
     output = model(
         input_ids=td["input_ids"][:, left:end],
         attention_mask=td["attention_mask"][:, left:end],
