@@ -177,9 +177,9 @@ def plan_micro_batches(
     Fixed size: consecutive chunks of `micro_batch_size`; with `group_prompts`, chunks of the rows
     in grouped_by_prompt order, so that a shared-prompt forward finds a prompt's rows together
     (which rows share a micro-batch changes no loss: each term divides by the mini-batch's
-    counts). Token budget (dynamic batch size): the number
-    of bins the budget needs, or `num_micro_batches` when the driver asks for more so that all dp
-    ranks run the same count; rows are balanced by token count across those bins.
+    counts). Token budget (dynamic batch size): the number of bins the budget needs, or
+    `num_micro_batches` when the driver asks for more so that all dp ranks run the same count;
+    rows are balanced by token count across those bins (`group_prompts` does not apply).
     """
     n_rows = td.batch_size[0]
     if max_token_len is None and num_micro_batches is None:
