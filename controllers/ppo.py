@@ -11,6 +11,7 @@ to every dp shard -> every trained role's update (actor, critic; concurrently) -
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -41,8 +42,11 @@ OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs", "rule_scor
 
 
 class Timer:
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
+    """Wall seconds per phase name; `prefixed(p)` shares the record under names starting with p."""
+
+    def __init__(self, seconds: dict[str, float] | None = None, prefix: str = ""):
+        self.seconds: dict[str, float] = defaultdict(float) if seconds is None else seconds
+        self.prefix = prefix
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -50,7 +54,10 @@ class Timer:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            self.seconds[self.prefix + name] += time.perf_counter() - start
+
+    def prefixed(self, prefix: str) -> "Timer":
+        return Timer(self.seconds, self.prefix + prefix)
 
 
 def resolve_model_path(cfg: RLFlowConfig) -> str:
@@ -374,7 +381,10 @@ class PPOTrainer:
             with timer("adv"):
                 self._apply_kl_and_advantages(batch, metrics)
             with timer("update"):
-                metrics.update(self._update(batch, step, on_policy))
+                # max_staleness >= 1: the next step's rollout is collected and scored on the driver
+                # while the roles train (its waits under timing/next_*), not after the weight sync
+                finish_next = functools.partial(self.rollouts.finish_next, step, timer.prefixed("next_"))
+                metrics.update(self._update(batch, step, on_policy, meanwhile=finish_next))
             self._memory_peaks("update", metrics)
             with timer("sync"):
                 self.sync_weights()
@@ -511,8 +521,9 @@ class PPOTrainer:
         return (actor.skip_old_log_prob_when_on_policy and actor.ppo_epochs == 1
                 and num_rows <= actor.ppo_mini_batch_size and not self.cfg.algorithm.use_kl_in_reward)
 
-    def _update(self, batch: TensorDict, step: int, on_policy: bool) -> dict:
-        """Every trained role's update, dispatched together: per rank, its shards of every mini-batch."""
+    def _update(self, batch: TensorDict, step: int, on_policy: bool, meanwhile=None) -> dict:
+        """Every trained role's update, dispatched together: per rank, its shards of every mini-batch.
+        `meanwhile()` runs on the driver after the dispatch, before the updates are waited for."""
         pending = {}
         for name, role in self.active_roles.items():
             if role.trains:
@@ -520,6 +531,8 @@ class PPOTrainer:
                 keys = (*keys, *(k for k in role.optional_update_keys if k in batch.keys() and k not in keys))
                 shards = self.plan_minibatches(batch.select(*keys), role.section or name, step)
                 pending[name] = self.groups[name].call_per_rank_async("update", [(s,) for s in shards])
+        if meanwhile is not None:
+            meanwhile()
         metrics = {}
         for name, futures in pending.items():
             per_rank = self.groups[name].gather(futures, "update")

@@ -327,6 +327,15 @@ class RolloutQueue:
             return self.finished.pop(step)
         return self.source.finish(self.started.pop(step), timer)
 
+    def finish_next(self, step: int, timer) -> None:
+        """Called while step's updates run: finishes step + 1's rollout if it is started (max_staleness
+        >= 1), so waiting for its generation and scoring it overlap the training. Its weights are
+        those it was started with, and the finish (a refill of dynamic sampling, an agent's turns)
+        runs before this step's weight sync, as the generation did."""
+        ahead = step + 1
+        if ahead in self.started:
+            self.finished[ahead] = self.source.finish(self.started.pop(ahead), timer)
+
     def state_dict(self, timer) -> list[dict]:
         """Finishes every started rollout; their records, in step order."""
         for step in sorted(self.started):

@@ -409,7 +409,8 @@ class RLFlowRun:
         t = {
             "step": wall,
             "gen": w.get("rollout.generate", 0.0),
-            "reward": metrics.get("timing/reward", 0.0),
+            # asynchronous runs score the next step's batch while this one updates (timing/next_reward)
+            "reward": metrics.get("timing/reward", 0.0) + metrics.get("timing/next_reward", 0.0),
             "old_log_prob": w.get("actor.compute_log_prob", 0.0),
             "values": w.get("critic.compute_values", 0.0),
             "ref": w.get("reference.compute_ref_log_prob", 0.0),

@@ -26,9 +26,10 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 
-def make_batch(vocab: int, rows: int, prompt_len: int, response_len: int, seed: int = 0) -> TensorDict:
+def make_batch(vocab: int, rows: int, prompt_len: int, response_len: int, n: int = 1, seed: int = 0) -> TensorDict:
+    """rows // n prompts, each repeated for n consecutive rows (a GRPO group's responses)."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (rows, prompt_len), generator=gen)
+    prompts = torch.randint(0, vocab, (rows // n, prompt_len), generator=gen).repeat_interleave(n, dim=0)
     responses = torch.randint(0, vocab, (rows, response_len), generator=gen)
     input_ids = torch.cat([prompts, responses], dim=1)
     attention = torch.ones_like(input_ids)
@@ -124,7 +125,8 @@ def measure(args) -> dict[str, list[float]]:
     from transformers import AutoConfig
 
     model_dir = resolve_model_path(load_config(None, [f"actor.model.path={args.model}"]))
-    batch = make_batch(AutoConfig.from_pretrained(model_dir).vocab_size, args.rows, args.prompt_len, args.response_len)
+    batch = make_batch(AutoConfig.from_pretrained(model_dir).vocab_size, args.rows, args.prompt_len, args.response_len,
+                       args.n)
     worker = rlflow_actor(model_dir, args.rows, args.micro, args.response_len, args.extra)
     bare = Bare(model_dir, args.micro)
     runs = {"bare": lambda: bare.update(batch), "rlflow": lambda: rlflow_update(worker, batch)}
@@ -161,6 +163,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="an HF folder, 'tiny' or a packaged alias")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--n", type=int, default=1, help="responses per prompt (rows sharing a prompt; must divide --rows)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -172,7 +175,7 @@ def main() -> None:
     results = in_ray_worker(args) if args.in_ray else measure(args)
     bare_s = statistics.median(results["bare"])
     where = "in a Ray worker as rlflow's" if args.in_ray else "in this process"
-    print(f"\n{args.model}: {args.rows} rows x ({args.prompt_len} + {args.response_len}) tokens, micro {args.micro}, "
+    print(f"\n{args.model}: {args.rows} rows ({args.n} per prompt) x ({args.prompt_len} + {args.response_len}) tokens, micro {args.micro}, "
           f"{args.threads} thread(s), {where}, median of {args.repeats}")
     for name, seconds in results.items():
         median = statistics.median(seconds)

@@ -5,11 +5,13 @@ Ray workers cannot import tests/."""
 from __future__ import annotations
 
 import sys
+import time
 
 import ray.cloudpickle
 import torch
 
 from rlflow.protocol import get_meta
+from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.rollout.worker import RolloutWorker
 
@@ -32,6 +34,23 @@ class InspectableRollout(RolloutWorker):
         """The HF engine's current weights (to check a sync landed)."""
         assert self.engine_name == "hf", "the test reads the hf engine's model"
         return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}
+
+
+class SlowUpdateActor(ActorWorker):
+    """Each update sleeps first (long enough for a tiny rollout to finish beside it) and keeps its
+    wall-clock interval."""
+
+    update_sleep_s = 1.5
+
+    def update(self, shards):
+        start = time.time()
+        time.sleep(self.update_sleep_s)
+        result = super().update(shards)
+        self.intervals = [*getattr(self, "intervals", []), (start, time.time())]
+        return result
+
+    def update_intervals(self) -> list[tuple[float, float]]:
+        return getattr(self, "intervals", [])
 
 
 INSPECTABLE = {"critic": MetaRecordingCritic, "rollout": InspectableRollout}

@@ -170,3 +170,17 @@ def test_agent_config_errors_name_the_key(tmp_path):
         load_env_class(f"{tmp_path}/nope.py:Env")
     with pytest.raises(TypeError, match="not a subclass of rlflow.agents.Environment"):
         load_env_class(f"{ENVS}:turns_of")
+
+
+def test_one_step_stale_episodes_are_generated_by_the_weights_they_record(ray_session, model_dir, tmp_path):
+    """trainer.max_staleness=1 with the agent loop: step t + 1's episodes run while step t updates,
+    with the weights of the syncs before it (after t updates), which is the weight version the batch
+    records. The engine's log-probs of every model token prove which weights generated it."""
+    from async_helpers import STEPS, check_weight_versions
+    from trainers import StepWeightsTrainer
+
+    base = str(tmp_path / "stale")
+    trainer = StepWeightsTrainer(_config(model_dir, base, **{"trainer.max_staleness": 1, "trainer.total_steps": STEPS}))
+    history = trainer.fit()
+    assert [h["rollout/staleness"] for h in history] == [0.0, 1.0, 1.0, 1.0]
+    check_weight_versions(model_dir, os.path.join(base, "rec"), trainer.actor_versions, tol=1e-5, lag_min=1e-3)

@@ -53,6 +53,25 @@ def test_queue_starts_ahead_and_never_past_the_last_step(max_staleness):
         assert source.calls == [(kind, s) for s in range(5) for kind in ("start", "finish")]
 
 
+@pytest.mark.parametrize("max_staleness, order", [
+    (0, "S0 F0 S1 F1 S2 F2 S3 F3 S4 F4"),  # finish_next has nothing started ahead: the synchronous loop
+    (1, "S0 S1 F0 F1 S2 F2 S3 F3 S4 F4"),
+    (3, "S0 S1 S2 S3 F0 F1 S4 F2 F3 F4"),
+])
+def test_the_next_rollout_is_finished_while_a_step_trains(max_staleness, order):
+    """The trainer's order: take(t), then finish_next(t) while step t's updates run. Step t + 1's
+    rollout is finished then (before step t's weight sync), and take(t + 1) starts the next one only."""
+    from controllers.ppo import Timer
+    from controllers.rollout_source import RolloutQueue
+
+    source = _LoggingSource()
+    queue = RolloutQueue(source, max_staleness, total_steps=5)
+    for step in range(5):
+        assert int(queue.take(step, Timer()).batch["responses"][0, 0]) == step
+        queue.finish_next(step, Timer())
+    assert " ".join(f"{kind[0].upper()}{s}" for kind, s in source.calls) == order
+
+
 def test_queue_state_finishes_what_is_in_flight_and_restores_it():
     from controllers.ppo import Timer
     from controllers.rollout_source import RolloutQueue
@@ -105,6 +124,44 @@ def test_one_step_stale_rollout_trains_exactly_on_what_it_generated(tiny_model_d
     for role, weights in live.final_weights.items():
         differing = [name for name, tensor in weights.items() if not torch.equal(tensor, replay.final_weights[role][name])]
         assert not differing, f"{role}: {differing[:3]}"
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_the_next_batch_is_scored_while_the_actor_updates(tiny_model_dir, tmp_path, max_staleness):
+    """With max_staleness=1 the driver scores step t + 1's batch while step t's update runs (the
+    actor's update sleeps 1.5 s, the reward function runs in the driver); at 0 it scores each batch
+    before the update that trains on it, never during one."""
+    import time
+
+    from controllers.ppo import PPOTrainer
+    from exactness_helpers import exactness_score
+    from inspecting_workers import SlowUpdateActor
+
+    scored_at = []
+
+    def reward_fn(*args, **kwargs):
+        scored_at.append(time.time())
+        return exactness_score(*args, **kwargs)
+
+    config = async_config(tiny_model_dir, str(tmp_path), **{"trainer.total_steps": 3, "trainer.max_staleness": max_staleness,
+                                                           "reward.num_workers": 0, "reward.custom_function.path": "null"})
+    trainer = PPOTrainer(config, worker_classes={"actor": SlowUpdateActor}, reward_fn=reward_fn)
+    trainer.setup()
+    try:
+        for step in range(3):
+            trainer.train_step(step)
+        import ray
+
+        intervals = ray.get(trainer.groups["actor"].workers[0].update_intervals.remote())
+    finally:
+        trainer.shutdown()
+    assert len(intervals) == 3
+    during = [sum(start <= t <= end for t in scored_at) for start, end in intervals]
+    if max_staleness == 0:
+        assert during == [0, 0, 0], during
+    else:  # the last step has no next batch
+        rows = config.data.train_batch_size * config.rollout.n
+        assert during == [rows, rows, 0], during
 
 
 def test_a_batch_older_than_max_staleness_stops_the_run(tiny_model_dir, tmp_path):
