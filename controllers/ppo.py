@@ -27,8 +27,8 @@ from controllers.rollout_source import RolloutQueue
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
 from rlflow.config import RLFlowConfig, config_to_dict, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
-from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, num_bins_for_token_budget, pad_rows,
-                             row_token_counts, split_dp)
+from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, grouped_by_prompt,
+                             num_bins_for_token_budget, pad_rows, row_token_counts, split_dp)
 
 # what the console prints each step (every metric goes to the other trackers)
 CONSOLE_KEYS = (
@@ -91,6 +91,11 @@ def check_causal_lm_folder(path: str) -> None:
             f"actor.model.path={path!r} holds a {architectures or 'model without architectures'} model, "
             "not a causal LM: point it at a *ForCausalLM checkpoint"
         )
+
+
+def _shares_prompts(section) -> bool:
+    """Whether a trained role's section asks for the shared-prompt forward (<role>.model.share_prompt_forward)."""
+    return bool(getattr(getattr(section, "model", None), "share_prompt_forward", False))
 
 
 def load_tokenizer(path: str):
@@ -494,6 +499,10 @@ class PPOTrainer:
                 order = torch.arange(num_rows)
             for start in range(0, num_rows, section.ppo_mini_batch_size):
                 minibatch = batch[order[start : start + section.ppo_mini_batch_size]]
+                if dp > 1 and not section.use_dynamic_bsz and _shares_prompts(section):
+                    # each rank gets a prompt's rows together, for its shared-prompt forward; which
+                    # rank holds which rows of the mini-batch changes no loss
+                    minibatch = minibatch[grouped_by_prompt(minibatch)]
                 meta = compute_batch_meta(minibatch, dp, section.loss_scale_factor)
                 shards, _ = split_dp(minibatch, dp, balance_by_tokens=section.use_dynamic_bsz)
                 num_micro = None

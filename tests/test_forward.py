@@ -188,6 +188,32 @@ def test_micro_batches_keep_a_prompts_rows_together_only_when_asked():
     assert grouped_by_prompt(distinct).tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_the_driver_gives_each_dp_rank_whole_prompt_groups_when_the_forward_shares_them(share):
+    """The driver's plan at actor.dp_size=2, one mini-batch of 8 prompts x 4 responses: with
+    actor.model.share_prompt_forward each rank's shard holds 4 whole groups (its forward runs 4
+    prompts); without it the shuffled rows are cut as they come. The BatchMeta is the same."""
+    from controllers.ppo import PPOTrainer
+    from rlflow import load_config
+    from rlflow.protocol import get_meta
+
+    ids, mask = left_pad([[5 + p, 30 + p] for p in range(8)], pad_token_id=1)
+    batch = assemble_rollout(ids, mask, [[40 + i % 5] * (1 + i % 3) for i in range(32)], 4, 4,
+                             pad_token_id=1, eos_token_id=0)
+    cfg = load_config(None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=32", "actor.dp_size=2",
+                             "actor.ppo_micro_batch_size_per_gpu=4", f"actor.model.share_prompt_forward={share}"])
+    (rank0,), (rank1,) = PPOTrainer(cfg).plan_minibatches(batch, "actor", step=0)
+    prompts = [{tuple(row.tolist()) for row in shard["prompts"]} for shard in (rank0, rank1)]
+    rows = sorted(tuple(row.tolist()) for shard in (rank0, rank1) for row in shard["input_ids"])
+    assert rows == sorted(tuple(row.tolist()) for row in batch["input_ids"]), "every row once"
+    if share:
+        assert [len(p) for p in prompts] == [4, 4] and not prompts[0] & prompts[1]
+    else:
+        assert min(len(p) for p in prompts) > 4, "the shuffled rows happened to hold whole groups"
+    meta = get_meta(rank0)
+    assert (meta.batch_num_tokens, meta.global_batch_size) == (int(batch["response_mask"].sum()), 32)
+
+
 def test_a_model_that_cannot_take_the_mask_runs_the_plain_forward_and_says_which_key(tiny_model_dir, caplog):
     from transformers import AutoConfig, AutoModelForCausalLM
 
