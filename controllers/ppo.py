@@ -1,11 +1,12 @@
 """The single controller: the PPO/GRPO fit loop on the Ray driver.
 
 rollout and reward (a rollout source, controllers/rollout_source.py; with trainer.max_staleness
-k >= 1 the next k steps' rollouts are generated while this one trains) -> every role's forward
-(old and reference log-probs, values, ...; concurrently) -> KL -> advantages -> for each ppo epoch
-a seeded shuffle into mini-batches, BatchMeta computed here for each whole mini-batch and attached
-to every dp shard -> every trained role's update (actor, critic; concurrently) -> metric reduction
--> weight sync -> validation / logging / checkpoint. The roles are data (controllers/roles.py).
+k >= 1 the next k steps' rollouts are generated while this one trains, and the next one is scored
+during its updates) -> every role's forward (old and reference log-probs, values, ...;
+concurrently) -> KL -> advantages -> for each ppo epoch a seeded shuffle into mini-batches,
+BatchMeta computed here for each whole mini-batch and attached to every dp shard -> every trained
+role's update (actor, critic; concurrently) -> metric reduction -> weight sync -> validation /
+logging / checkpoint. The roles are data (controllers/roles.py).
 """
 
 from __future__ import annotations
