@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="config overrides for the rlflow actor")
     parser.add_argument("--in-ray", action="store_true", help="measure inside a Ray worker set up as rlflow's")
     args = parser.parse_args()
+    if args.n < 1 or args.rows % args.n:
+        parser.error(f"--n {args.n} must divide --rows {args.rows}")
     results = in_ray_worker(args) if args.in_ray else measure(args)
     bare_s = statistics.median(results["bare"])
     where = "in a Ray worker as rlflow's" if args.in_ray else "in this process"
