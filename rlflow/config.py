@@ -111,7 +111,10 @@ class ActorConfig:
     dp_size: int = 1
     # sizes count sequences (responses), after rollout.n
     ppo_mini_batch_size: int = 64
-    ppo_micro_batch_size_per_gpu: int = 16
+    # rows per forward/backward on one rank; at least the rank's shard of a mini-batch (mini /
+    # dp_size) runs that shard as one micro-batch. 64 fits the embedded model's whole mini-batch:
+    # on a CPU the per-micro-batch overhead of small ones outweighs anything they save
+    ppo_micro_batch_size_per_gpu: int = 64
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 1024
     ppo_epochs: int = 1
@@ -535,9 +538,10 @@ def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int
     else:
         micro, per_rank = section.ppo_micro_batch_size_per_gpu, mini // dp
         _need(micro >= 1, f"{role}.ppo_micro_batch_size_per_gpu must be >= 1, got {micro}")
-        _need(per_rank % micro == 0,
+        # a micro-batch of at least the shard is the whole shard (plan_micro_batches)
+        _need(micro >= per_rank or per_rank % micro == 0,
               f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
-              f"{role}.ppo_mini_batch_size / {role}.dp_size = {mini} / {dp} = {per_rank}")
+              f"{role}.ppo_mini_batch_size / {role}.dp_size = {mini} / {dp} = {per_rank}, or be at least it")
     _need(section.loss_agg_mode in LOSS_AGG_MODES,
           f"{role}.loss_agg_mode={section.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
     _need(section.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1, got {section.ppo_epochs}")

@@ -588,7 +588,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--response-len", type=int, default=8)
     p.add_argument("--mini", type=int, default=64, help="PPO mini-batch (sequences)")
-    p.add_argument("--micro", type=int, default=16, help="micro-batch per rank (sequences)")
+    p.add_argument("--micro", type=int, default=None,
+                   help="micro-batch per rank (sequences; default: actor.ppo_micro_batch_size_per_gpu's default)")
     p.add_argument("--steps", type=int, default=7, help="measured steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--scales", default="1,2,4", help="batch multipliers for the scaling rows")
@@ -625,6 +626,10 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="--steps 5 --warmup 1 --scales 1 --no-trl --no-rollout-engines")
     p.add_argument("--json", default=None, help="also write all measurements here")
     args = p.parse_args()
+    if args.micro is None:
+        from rlflow import load_config
+
+        args.micro = load_config(None, []).actor.ppo_micro_batch_size_per_gpu
     if args.quick:
         args.steps, args.warmup, args.scales, args.no_trl, args.no_rollout_engines = 5, 1, "1", True, True
     if args.worker_threads is not None:

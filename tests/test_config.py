@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 
 from rlflow.config import ConfigError, RLFlowConfig, load_config, to_dataclass
 
@@ -29,6 +31,20 @@ def test_critic_strategy_inherits_the_actors_unless_set():
 def test_grpo_needs_no_critic_and_kl_loss_turns_on_the_reference():
     cfg = load_config(None, ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true"])
     assert not cfg.critic.enable and cfg.reference.enable
+
+
+def test_a_micro_batch_of_at_least_a_ranks_shard_is_that_whole_shard():
+    from rlflow.protocol import plan_micro_batches
+    from workers.trainable import micro_batch_plan
+
+    # the default micro-batch (64) at dp 2 exceeds a rank's 32 rows of the default mini-batch (64)
+    cfg = load_config(None, ["actor.dp_size=2"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu > cfg.actor.ppo_mini_batch_size // cfg.actor.dp_size
+    shard = TensorDict({"input_ids": torch.zeros(32, 3, dtype=torch.long)}, batch_size=[32])
+    (micro,) = plan_micro_batches(shard, **micro_batch_plan(cfg.actor, shard))
+    assert micro.tolist() == list(range(32))
+    with pytest.raises(ConfigError, match=r"= 64 / 2 = 32, or be at least it"):
+        load_config(None, ["actor.dp_size=2", "actor.ppo_micro_batch_size_per_gpu=24"])
 
 
 def test_yaml_then_overrides(tmp_path):
