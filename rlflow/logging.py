@@ -7,8 +7,9 @@
 
 Nothing here contacts a server: wandb runs in offline mode (``wandb sync <dir>`` uploads later),
 MLflow writes a local file store under ``run_dir/mlruns`` (``mlflow ui --backend-store-uri
-<run_dir>/mlruns`` shows it). tensorboard, wandb and mlflow come with ``pip install
-'rlflow[loggers]'``; console and jsonl need nothing extra.
+<run_dir>/mlruns`` shows it, with the full ``mlflow`` package installed). tensorboard, wandb and
+MLflow's tracking client (mlflow-skinny) come with ``pip install 'rlflow[loggers]'``; console and
+jsonl need nothing extra.
 """
 
 from __future__ import annotations
