@@ -18,7 +18,7 @@ def async_config(model_dir, base, **extra):
 
     values = {"trainer.total_steps": STEPS, "trainer.deterministic": True, "trainer.default_local_dir": base,
               # a reward that varies with the text: the random tiny model never solves the task
-              "reward.custom_function.path": os.path.join(os.path.dirname(__file__), "exactness_helpers.py"),
+              "reward.custom_function.path": os.path.join(os.path.dirname(__file__), "text_rewards.py"),
               "reward.custom_function.name": "exactness_score",
               "trainer.resume_mode": "disable", "trainer.max_staleness": 1, "data.shuffle": True, **extra}
     return load_config(None, tiny_overrides(model_dir, **values))

@@ -66,10 +66,7 @@ def build_varied_length_model(out_dir: str) -> str:
     return out_dir
 
 
-def exactness_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """A deterministic reward that varies with the text (a random model never solves the task)."""
-    return (sum(map(ord, solution_str)) % 7) / 3.0 - 1.0
-
+REWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "text_rewards.py")
 
 # every fit: 16 responses per step (8 prompts x n=2), mini-batches of 8 -> 2 per epoch, 2 epochs,
 # 3 steps -> 12 optimizer steps per model; a critic (gae) and an entropy bonus
@@ -117,7 +114,7 @@ def run_fit(model_dir: str, out_dir: str, workers: dict | None = None, **overrid
     from trainers import CapturingTrainer
 
     settings = dict(BASE)
-    settings["reward.custom_function.path"] = os.path.abspath(__file__)
+    settings["reward.custom_function.path"] = REWARD_FILE
     settings["trainer.default_local_dir"] = out_dir
     settings.update(overrides)
     cfg = load_config(None, tiny_overrides(model_dir, **settings))

@@ -134,7 +134,7 @@ def test_the_next_batch_is_scored_while_the_actor_updates(tiny_model_dir, tmp_pa
     import time
 
     from controllers.ppo import PPOTrainer
-    from exactness_helpers import exactness_score
+    from text_rewards import exactness_score
     from inspecting_workers import SlowUpdateActor
 
     scored_at = []

@@ -69,7 +69,7 @@ def _run(model_dir: str, out_dir: str, **overrides):
                             for name, group in self.groups.items()}
 
     settings = {**BASE, **FAMILY, **overrides}
-    settings["reward.custom_function.path"] = os.path.join(HERE, "exactness_helpers.py")
+    settings["reward.custom_function.path"] = os.path.join(HERE, "text_rewards.py")
     settings["trainer.default_local_dir"] = out_dir
     cfg = load_config(None, tiny_overrides(model_dir, **settings))
     start = time.perf_counter()
