@@ -166,11 +166,11 @@ def test_resume_with_in_memory_rows(ray_session, tiny_model_dir, tmp_path, capfd
     rows = _rows(32)
     reward = _make_reward()
     extra = {"trainer.total_steps": 3, "trainer.save_freq": 1, "trainer.resume_mode": "disable"}
-    full = RLFlow(_cfg(tiny_model_dir, tmp_path, "full", **extra), train_dataset=rows, reward_fn=reward).fit()
-    # the same run stopped after 2 steps, then a new fit that resumes from its checkpoint
-    RLFlow(_cfg(tiny_model_dir, tmp_path, "resumed", **{**extra, "trainer.total_steps": 2}),
-           train_dataset=rows, reward_fn=reward).fit()
-    resumed = RLFlow(_cfg(tiny_model_dir, tmp_path, "resumed", **{**extra, "trainer.resume_mode": "auto"}),
+    full_cfg = _cfg(tiny_model_dir, tmp_path, "full", **extra)
+    full = RLFlow(full_cfg, train_dataset=rows, reward_fn=reward).fit()
+    # a new fit that resumes from the full run's checkpoint after 2 steps
+    step_2 = tmp_path / full_cfg.trainer.project_name / "full" / "checkpoints" / "step_2"
+    resumed = RLFlow(_cfg(tiny_model_dir, tmp_path, "resumed", **{**extra, "trainer.resume_mode": str(step_2)}),
                      train_dataset=rows, reward_fn=reward).fit()
     assert "(step 2)" in capfd.readouterr().err  # "rlflow: resumed from .../step_2 (step 2)"
     assert [r["step"] for r in resumed] == [1, 2, 3]  # the history of the resumed run includes steps 1-2
