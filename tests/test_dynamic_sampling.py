@@ -113,7 +113,8 @@ def test_dynamic_sampling_resumes_bitwise(ray_session, tiny_model_dir, tmp_path)
     from fault_workers import faulty_workers
     from trainers import CapturingTrainer
 
-    extra = {"trainer.save_freq": 2, "trainer.resume_mode": "auto", "trainer.max_staleness": 1, "trainer.total_steps": 3}
+    extra = {"trainer.save_freq": 2, "trainer.resume_mode": "auto", "trainer.max_staleness": 1, "trainer.total_steps": 3,
+             "algorithm.adv_estimator": "grpo"}
     straight = CapturingTrainer(_filtered_config(tiny_model_dir, str(tmp_path / "straight"), **extra))
     want = straight.fit()
     assert max(h["rollout/num_gen_batches"] for h in want) >= 2
@@ -140,7 +141,7 @@ def test_the_cap_raises_naming_the_key_or_fills(ray_session, tiny_model_dir, tmp
     from rlflow import RLFlow
 
     constant = {"reward.custom_function.path": "null", "algorithm.filter_groups.max_num_gen_batches": 2,
-                "trainer.total_steps": 1, "trainer.record_rollouts": "null"}
+                "trainer.total_steps": 1, "trainer.record_rollouts": "null", "algorithm.adv_estimator": "grpo"}
     config = _filtered_config(tiny_model_dir, str(tmp_path / "raise"), **constant)
     with pytest.raises(RuntimeError, match=r"kept 0 of the 8 groups .*max_num_gen_batches=2"):
         RLFlow(config, reward_fn=lambda *args, **kwargs: 0.5).fit()
@@ -160,7 +161,7 @@ def test_overlong_penalty_lands_on_the_last_token(ray_session, tiny_model_dir, t
     base = str(tmp_path / "run")
     config = async_config(tiny_model_dir, base, **{
         "reward.custom_function.path": "null", "trainer.total_steps": 1, "trainer.max_staleness": 0,
-        "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 3,
+        "algorithm.adv_estimator": "grpo", "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 3,
         "reward.overlong_buffer.penalty_factor": 2.0, "trainer.record_rollouts": os.path.join(base, "rec")})
     history = RLFlow(config, reward_fn=lambda *args, **kwargs: 1.0).fit()
     batch = read_recorded(os.path.join(base, "rec"), 0).batch
