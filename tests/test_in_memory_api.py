@@ -82,7 +82,7 @@ def test_in_memory_rows_and_closure_score_as_parquet_and_reward_file(ray_session
 
 @pytest.mark.timeout(300)
 def test_pandas_dataframe_rows(ray_session, tiny_model_dir, tmp_path):
-    pd = pytest.importorskip("pandas")
+    import pandas as pd
     rows = _rows(16)
     frame = pd.DataFrame(rows)
     assert rows_from(frame, name="train_dataset") == load_rows_like(rows)
@@ -134,7 +134,7 @@ def test_a_missing_column_names_the_row_and_column_before_ray_starts(tiny_model_
         RLFlow(cfg, val_dataset=rows)
     with pytest.raises(TypeError, match="train_dataset: expected rows in memory"):
         RLFlow(cfg, train_dataset="train.parquet")
-    pd = pytest.importorskip("pandas")
+    import pandas as pd
     with pytest.raises(ValueError, match=r"train_dataset \(rows given in memory\): missing required column 'prompt'"):
         RLFlow(cfg, train_dataset=pd.DataFrame(_rows(4)).drop(columns=["prompt"]))
 
