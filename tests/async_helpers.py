@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from conftest import tiny_overrides
+from text_rewards import REWARD_FILE
 
 STEPS = 4
 ESTIMATORS = {"grpo": {"algorithm.adv_estimator": "grpo"},
@@ -18,7 +17,7 @@ def async_config(model_dir, base, **extra):
 
     values = {"trainer.total_steps": STEPS, "trainer.deterministic": True, "trainer.default_local_dir": base,
               # a reward that varies with the text: the random tiny model never solves the task
-              "reward.custom_function.path": os.path.join(os.path.dirname(__file__), "text_rewards.py"),
+              "reward.custom_function.path": REWARD_FILE,
               "reward.custom_function.name": "exactness_score",
               "trainer.resume_mode": "disable", "trainer.max_staleness": 1, "data.shuffle": True, **extra}
     return load_config(None, tiny_overrides(model_dir, **values))

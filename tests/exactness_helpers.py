@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from conftest import tiny_overrides
+from text_rewards import REWARD_FILE
 
 # the per-step metrics whose values must not depend on the layout; every one must be logged by
 # both runs of a pair (a missing metric fails the comparison, it is never skipped)
@@ -65,8 +66,6 @@ def build_varied_length_model(out_dir: str) -> str:
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
-
-REWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "text_rewards.py")
 
 # every fit: 16 responses per step (8 prompts x n=2), mini-batches of 8 -> 2 per epoch, 2 epochs,
 # 3 steps -> 12 optimizer steps per model; a critic (gae) and an entropy bonus

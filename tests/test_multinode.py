@@ -57,6 +57,7 @@ def _run(model_dir: str, out_dir: str, **overrides):
 
     import exactness_workers
     from exactness_helpers import BASE, FitResult
+    from text_rewards import REWARD_FILE
     from conftest import tiny_overrides
     from rlflow import load_config
     from trainers import CapturingTrainer
@@ -69,7 +70,7 @@ def _run(model_dir: str, out_dir: str, **overrides):
                             for name, group in self.groups.items()}
 
     settings = {**BASE, **FAMILY, **overrides}
-    settings["reward.custom_function.path"] = os.path.join(HERE, "text_rewards.py")
+    settings["reward.custom_function.path"] = REWARD_FILE
     settings["trainer.default_local_dir"] = out_dir
     cfg = load_config(None, tiny_overrides(model_dir, **settings))
     start = time.perf_counter()

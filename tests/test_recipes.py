@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlflow.config import ConfigError, load_config, to_dataclass
+from text_rewards import REWARD_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "configs" / "gsm8k_qwen2.5_0.5b.yaml"
@@ -116,7 +117,7 @@ def test_dapo_recipe_runs_two_steps(ray_session, tiny_model_dir, tmp_path):
                  "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4", "trainer.total_steps=2",
                  "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
                  f"trainer.default_local_dir={tmp_path}", "algorithm.filter_groups.metric=score",
-                 f"reward.custom_function.path={REPO / 'tests' / 'text_rewards.py'}",
+                 f"reward.custom_function.path={REWARD_FILE}",
                  "reward.custom_function.name=exactness_score"]
     history = RLFlow(load_config(DAPO, overrides)).fit()
     assert [h["step"] for h in history] == [1, 2]

@@ -2,6 +2,8 @@
 process: nothing is imported here, so a process loads this file in milliseconds (a file that
 imports torch and the test helpers costs each of a run's reward processes seconds)."""
 
+REWARD_FILE = __file__  # for reward.custom_function.path
+
 
 def exactness_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """A deterministic reward that varies with the text (a random model never solves the task)."""
