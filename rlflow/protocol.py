@@ -112,11 +112,8 @@ def balanced_partition(weights: list[int], num_parts: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def num_bins_for_token_budget(weights: list[int], max_token_len: int) -> int:
-    """How many micro-batches a token budget needs (first-fit decreasing).
-
-    A row longer than the budget gets a bin of its own: it is never dropped.
-    """
+def _first_fit_bins(weights: list[int], max_token_len: int) -> int:
+    """How many bins first-fit decreasing needs (a row longer than the budget gets its own)."""
     if max_token_len <= 0:
         raise ValueError(f"max_token_len must be positive, got {max_token_len}")
     bins: list[int] = []
@@ -128,6 +125,31 @@ def num_bins_for_token_budget(weights: list[int], max_token_len: int) -> int:
         else:
             bins.append(weight)
     return max(len(bins), 1)
+
+
+def _within_budget(weights: list[int], count: int, max_token_len: int) -> bool:
+    """Whether balanced_partition's `count` parts each hold at most the budget (or one row)."""
+    parts = balanced_partition(weights, min(count, len(weights)))
+    return all(len(part) == 1 or sum(weights[r] for r in part) <= max_token_len for part in parts)
+
+
+def num_bins_for_token_budget(weights: list[int], max_token_len: int) -> int:
+    """How many micro-batches a token budget needs: the fewest (from first-fit decreasing's count
+    on) whose balanced partition keeps every micro-batch within the budget. A row longer than the
+    budget gets a micro-batch of its own: it is never dropped."""
+    count = _first_fit_bins(weights, max_token_len)
+    while count < len(weights) and not _within_budget(weights, count, max_token_len):
+        count += 1
+    return count
+
+
+def common_micro_batch_count(shard_weights: list[list[int]], max_token_len: int) -> int:
+    """The micro-batch count every dp rank runs (FSDP's collectives line up) such that each
+    rank's balanced partition of its shard stays within the budget."""
+    count = max(num_bins_for_token_budget(weights, max_token_len) for weights in shard_weights)
+    while not all(count >= len(weights) or _within_budget(weights, count, max_token_len) for weights in shard_weights):
+        count += 1
+    return count
 
 
 def split_dp(td: TensorDict, dp_size: int, balance_by_tokens: bool = False) -> tuple[list[TensorDict], list[torch.Tensor]]:
