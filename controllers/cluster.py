@@ -48,7 +48,7 @@ def ensure_ray(cfg: RLFlowConfig, dp_sizes: list[int] | None = None) -> bool:
     if dp_sizes is None:
         from controllers.roles import enabled_roles, resolve_roles
 
-        dp_sizes = [role.dp_size(cfg) for role in enabled_roles(resolve_roles(), cfg).values()]
+        dp_sizes = [role.num_processes(cfg) for role in enabled_roles(resolve_roles(), cfg).values()]
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     # the workers import rlflow/controllers/workers from the same checkout as the driver
     if address:

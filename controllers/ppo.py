@@ -26,10 +26,10 @@ from tensordict import TensorDict
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from controllers.rollout_source import RolloutQueue
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
-from rlflow.config import RLFlowConfig, config_to_dict, to_dataclass
+from rlflow.config import RLFlowConfig, config_to_dict, micro_batch_token_budget, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
 from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, grouped_by_prompt,
-                             num_bins_for_token_budget, pad_rows, row_token_counts, split_dp)
+                             common_micro_batch_count, pad_rows, row_token_counts, split_dp)
 
 # what the console prints each step (every metric goes to the other trackers)
 CONSOLE_KEYS = (
@@ -173,7 +173,7 @@ class PPOTrainer:
         self.active_roles = enabled_roles(self.roles, cfg)
         from controllers.cluster import ensure_ray
 
-        ensure_ray(cfg, [role.dp_size(cfg) for role in self.active_roles.values()])
+        ensure_ray(cfg, [role.num_processes(cfg) for role in self.active_roles.values()])
         self._setup_workers()
         self.rollouts = RolloutQueue(self._make_source(replay), cfg.trainer.max_staleness, cfg.trainer.total_steps)
 
@@ -253,7 +253,7 @@ class PPOTrainer:
         from workers.base import worker_threads
 
         cfg, roles = self.cfg, self.active_roles
-        sizes = {name: role.dp_size(cfg) for name, role in roles.items()}
+        sizes = {name: role.num_processes(cfg) for name, role in roles.items()}
         use_gpu = _cluster_gpus() > 0
         per_worker = cfg.trainer.cpus_per_worker
         threads = worker_threads(sum(sizes.values()))
@@ -269,7 +269,7 @@ class PPOTrainer:
         # the groups start concurrently: each waits for its processes to import torch & co
         with ThreadPoolExecutor(max_workers=len(roles)) as executor:
             starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, sizes[name], cfg, pools[name],
-                                              per_worker, gpus, env=env, num_threads=threads)
+                                              per_worker, gpus, env=env, num_threads=threads, sp_size=role.sp_size(cfg))
                         for name, role in roles.items()}
             errors = []
             for name, future in starting.items():
@@ -509,8 +509,8 @@ class PPOTrainer:
                 num_micro = None
                 if section.use_dynamic_bsz:
                     # every rank runs the same number of micro-batches (FSDP collectives line up)
-                    num_micro = max(num_bins_for_token_budget(row_token_counts(s).tolist(), section.ppo_max_token_len_per_gpu)
-                                    for s in shards)
+                    num_micro = common_micro_batch_count([row_token_counts(s).tolist() for s in shards],
+                                                         micro_batch_token_budget(section))
                 for rank, shard in enumerate(shards):
                     attach_meta(shard, meta)
                     if num_micro is not None:
@@ -540,7 +540,7 @@ class PPOTrainer:
                 keys = role.update_keys(self.cfg, on_policy)
                 keys = (*keys, *(k for k in role.optional_update_keys if k in batch.keys() and k not in keys))
                 shards = self.plan_minibatches(batch.select(*keys), role.section or name, step)
-                pending[name] = self.groups[name].call_per_rank_async("update", [(s,) for s in shards])
+                pending[name] = self.groups[name].call_per_dp_rank_async("update", [(s,) for s in shards])
         if meanwhile is not None:
             meanwhile()
         metrics = {}

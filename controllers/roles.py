@@ -63,6 +63,12 @@ class Role:
     # batch keys the update also reads when the step's batch carries them (a replayed recording
     # or an engine without log-probs may not): sent when present, never required
     optional_update_keys: tuple[str, ...] = ()
+    # ranks each data-parallel rank's sequences are split over (workers/sequence.py); the role
+    # runs dp_size x sp_size processes, and the sp ranks of a dp rank receive the same rows
+    sp_size: Callable[[RLFlowConfig], int] = lambda cfg: 1
+
+    def num_processes(self, cfg: RLFlowConfig) -> int:
+        return self.dp_size(cfg) * self.sp_size(cfg)
 
     def worker_class(self) -> type:
         if isinstance(self.worker, type):
@@ -87,6 +93,7 @@ ACTOR = Role(
     worker="workers.actor:ActorWorker",
     enabled=lambda cfg: True,
     dp_size=lambda cfg: cfg.actor.dp_size,
+    sp_size=lambda cfg: cfg.actor.sp_size,
     init=lambda ctx: ("init_model", (ctx.model_path, ctx.cfg.trainer.total_steps)),
     # the old log-probs; on-policy the update's own (detached) log-probs stand in for them
     forward=Forward("compute_log_prob", "old_log_probs", when=lambda cfg, on_policy: not on_policy),
@@ -101,6 +108,7 @@ CRITIC = Role(
     worker="workers.critic:CriticWorker",
     enabled=lambda cfg: bool(cfg.critic.enable),
     dp_size=lambda cfg: cfg.critic.dp_size,
+    sp_size=lambda cfg: cfg.critic.sp_size,
     init=lambda ctx: ("init_model", (ctx.critic_path, ctx.cfg.trainer.total_steps)),
     forward=Forward("compute_values", "values"),
     trains=True,
@@ -112,6 +120,7 @@ REFERENCE = Role(
     worker="workers.actor:ReferenceWorker",
     enabled=lambda cfg: bool(cfg.reference.enable),
     dp_size=lambda cfg: cfg.reference.dp_size,
+    sp_size=lambda cfg: cfg.reference.sp_size,
     init=lambda ctx: ("init_model", (ctx.model_path,)),
     forward=Forward("compute_ref_log_prob", "ref_log_prob"),
 )
@@ -163,4 +172,4 @@ def enabled_roles(roles: dict[str, Role], cfg: RLFlowConfig) -> dict[str, Role]:
 
 
 def num_worker_processes(roles: dict[str, Role], cfg: RLFlowConfig) -> int:
-    return sum(role.dp_size(cfg) for role in enabled_roles(roles, cfg).values())
+    return sum(role.num_processes(cfg) for role in enabled_roles(roles, cfg).values())

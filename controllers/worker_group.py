@@ -117,12 +117,16 @@ class RayWorkerGroup:
     """`world_size` Ray actors of `worker_cls`, one per rank, in one torch.distributed group."""
 
     def __init__(self, worker_cls, role: str, world_size: int, cfg, pool: ResourcePool,
-                 num_cpus: float, num_gpus: float = 0.0, env: dict | None = None, num_threads: int = 1):
+                 num_cpus: float, num_gpus: float = 0.0, env: dict | None = None, num_threads: int = 1,
+                 sp_size: int = 1):
         from workers.wire import install as install_tensor_wire
 
         install_tensor_wire()  # batches the driver sends cross Ray as numpy buffers (workers/wire.py)
         self.role = role
         self.world_size = world_size
+        # ranks [g*sp, (g+1)*sp) split the sequences of data-parallel rank g (workers/sequence.py)
+        self.sp_size = sp_size
+        self.dp_size = world_size // sp_size
         self.timeout_s = cfg.trainer.remote_timeout_s
         # spawning processes and loading models legitimately takes longer than one step's call
         self.startup_timeout_s = max(cfg.trainer.startup_timeout_s, self.timeout_s)
@@ -174,6 +178,10 @@ class RayWorkerGroup:
     def call_per_rank_async(self, method: str, per_rank_args: list[tuple]) -> list:
         return [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)]
 
+    def call_per_dp_rank_async(self, method: str, per_dp_rank_args: list[tuple]) -> list:
+        """One argument tuple per data-parallel rank, given to each of its sp ranks."""
+        return self.call_per_rank_async(method, [args for args in per_dp_rank_args for _ in range(self.sp_size)])
+
     def gather(self, futures: list, method: str, startup: bool = False) -> list:
         return self._get(futures, method, startup=startup)
 
@@ -183,13 +191,14 @@ class RayWorkerGroup:
 
     # -- dp dispatch: split rows over ranks, concat results in order -------------------------------
     def dispatch_dp_async(self, method: str, td: TensorDict, *args) -> list:
-        chunks = td.chunk(self.world_size, dim=0) if self.world_size > 1 else [td]
-        if len(chunks) != self.world_size:
-            raise WorkerError(f"{self.role}.{method}: {td.batch_size[0]} rows cannot be split over {self.world_size} ranks")
-        return [getattr(w, method).remote(chunk, *args) for w, chunk in zip(self.workers, chunks)]
+        chunks = td.chunk(self.dp_size, dim=0) if self.dp_size > 1 else [td]
+        if len(chunks) != self.dp_size:
+            raise WorkerError(f"{self.role}.{method}: {td.batch_size[0]} rows cannot be split over {self.dp_size} ranks")
+        return self.call_per_dp_rank_async(method, [(chunk, *args) for chunk in chunks])
 
     def collect_dp(self, futures: list, method: str) -> TensorDict:
-        return torch.cat(self._get(futures, method), dim=0)
+        """The dp ranks' results in order (an sp group's ranks return the same rows: its first's)."""
+        return torch.cat(self._get(futures, method)[:: self.sp_size], dim=0)
 
     def dispatch_dp(self, method: str, td: TensorDict, *args) -> TensorDict:
         return self.collect_dp(self.dispatch_dp_async(method, td, *args), method)

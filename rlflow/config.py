@@ -116,7 +116,15 @@ class ActorConfig:
     # on a CPU the per-micro-batch overhead of small ones outweighs anything they save
     ppo_micro_batch_size_per_gpu: int = 64
     use_dynamic_bsz: bool = False
+    # a micro-batch's budget of tokens (prompt + response, padding not counted) on one rank; with
+    # sp_size > 1 a micro-batch holds sp_size times it, each rank a 1/sp_size slice
     ppo_max_token_len_per_gpu: int = 1024
+    # packed micro-batches: the rows' valid tokens concatenated into one row, attention kept inside
+    # each sequence (workers/sequence.py); no padding is computed. Replaces share_prompt_forward
+    use_remove_padding: bool = False
+    # Ulysses sequence parallelism: each packed micro-batch's tokens split over sp_size ranks,
+    # attention heads exchanged all-to-all; the role runs dp_size x sp_size processes. > 1 packs
+    sp_size: int = 1
     ppo_epochs: int = 1
     shuffle: bool = True
     policy_loss: str = "vanilla"
@@ -156,6 +164,8 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int | None = None
     use_dynamic_bsz: bool | None = None
     ppo_max_token_len_per_gpu: int | None = None
+    use_remove_padding: bool | None = None
+    sp_size: int | None = None
     ppo_epochs: int | None = None
     shuffle: bool | None = None
     cliprange_value: float = 0.5
@@ -172,6 +182,8 @@ class ReferenceConfig:
     enable: bool | None = None  # None: on when a KL term is used
     dp_size: int = 1  # ranks that split the reference forward (data-parallel like the actor's)
     log_prob_micro_batch_size_per_gpu: int = 64
+    use_remove_padding: bool | None = None  # None -> the actor's
+    sp_size: int | None = None  # None -> the actor's; the reference runs dp_size x sp_size processes
 
 
 @dataclass
@@ -205,6 +217,8 @@ class RolloutConfig:
     calculate_log_probs: bool = True
     micro_batch_size: int = 256  # prompts per HF generate call
     dtype: str = "float32"
+    # vLLM: ranks one engine's model is split over (vllm.LLM's tensor_parallel_size); hf: must be 1
+    tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.1
     enforce_eager: bool = True
     # actor -> rollout weights: shared_memory (a /dev/shm file, same node only), object_store (Ray),
@@ -501,9 +515,13 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
     if actor.loss_scale_factor is None:
         actor.loss_scale_factor = float(data.max_response_length)
     for name in ("offload", "strategy", "dp_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
-                 "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "loss_agg_mode", "loss_scale_factor"):
+                 "ppo_max_token_len_per_gpu", "use_remove_padding", "sp_size", "ppo_epochs", "shuffle", "loss_agg_mode",
+                 "loss_scale_factor"):
         if critic[name] is None:
             critic[name] = actor[name]
+    for name in ("use_remove_padding", "sp_size"):
+        if cfg.reference[name] is None:
+            cfg.reference[name] = actor[name]
     if not critic.model.path:
         critic.model.path = actor.model.path
     chosen = actor.mixed_precision.param_dtype
@@ -542,12 +560,28 @@ def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int
         _need(micro >= per_rank or per_rank % micro == 0,
               f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
               f"{role}.ppo_mini_batch_size / {role}.dp_size = {mini} / {dp} = {per_rank}, or be at least it")
+    _check_sequence_layout(role, section)
     _need(section.loss_agg_mode in LOSS_AGG_MODES,
           f"{role}.loss_agg_mode={section.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
     _need(section.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
     _need(section.strategy in STRATEGIES, f"{role}.strategy={section.strategy!r} is not one of {', '.join(STRATEGIES)}")
     _need(section.loss_scale_factor is None or section.loss_scale_factor > 0,
           f"{role}.loss_scale_factor must be > 0, got {section.loss_scale_factor}")
+
+
+def _check_sequence_layout(role: str, section: DictConfig) -> None:
+    _need(section.sp_size >= 1, f"{role}.sp_size must be >= 1 (1: no sequence parallelism), got {section.sp_size}")
+
+
+def packs_sequences(section) -> bool:
+    """Whether a role's forwards run packed micro-batches (sequence parallelism always packs)."""
+    return bool(section.use_remove_padding) or section.sp_size > 1
+
+
+def micro_batch_token_budget(section) -> int:
+    """Tokens one micro-batch may hold under use_dynamic_bsz: the per-rank budget times sp_size
+    (each of the sp ranks holds a 1/sp_size slice of the packed row)."""
+    return section.ppo_max_token_len_per_gpu * section.sp_size
 
 
 def _check_loss_terms(cfg: DictConfig) -> None:
@@ -707,6 +741,10 @@ def validate_config(cfg: DictConfig) -> None:
     _need(rollout.name in ROLLOUT_NAMES or ":" in rollout.name,
           f"rollout.name={rollout.name!r} is not one of {', '.join(ROLLOUT_NAMES)} (or <module>:<RolloutEngine subclass>)")
     _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
+    _need(rollout.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {rollout.tensor_parallel_size}")
+    _need(rollout.tensor_parallel_size == 1 or rollout.name != "hf",
+          f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}: the hf engine runs one model per rollout rank; "
+          "use rollout.name=vllm (or rollout.dp_size for more rollout ranks)")
     _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
           f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
     _need(data.train_batch_size % rollout.dp_size == 0,
@@ -716,6 +754,7 @@ def validate_config(cfg: DictConfig) -> None:
         _need(ref_dp >= 1, f"reference.dp_size must be >= 1, got {ref_dp}")
         _need(sequences_per_step % ref_dp == 0,
               f"reference.dp_size={ref_dp} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
+        _check_sequence_layout("reference", cfg.reference)
     _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _need(0.0 < rollout.val_top_p <= 1.0, f"rollout.val_top_p must be in (0, 1], got {rollout.val_top_p}")
     _need(rollout.val_temperature > 0, f"rollout.val_temperature must be > 0, got {rollout.val_temperature}")

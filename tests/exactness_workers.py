@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
+import dataclasses
+
 import ray.cloudpickle
 import torch
 
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
+from workers.sequence import SequenceLayout, pack_micro_batch
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -58,6 +61,35 @@ class DoubleOneGradient:
         return count
 
 
+class SpLocalNormalisation:
+    """The sequence-parallel form of the bug (verl #2857, DeepSpeed #5248): each sp rank divides its
+    loss by the counts of the response tokens its own slice of the packed row predicts, instead of
+    the driver's BatchMeta."""
+
+    def micro_loss(self, micro, meta):
+        packed = pack_micro_batch(micro, self.sequence_parallel)
+        mask = micro["response_mask"][packed.rows, packed.columns] > 0
+        local = dataclasses.replace(meta, batch_num_tokens=int(mask.sum()),
+                                    global_batch_size=int(packed.rows[mask].unique().numel()))
+        return super().micro_loss(micro, local)
+
+
+class _UnreducedLayout(SequenceLayout):
+    """Gathers the sp ranks' outputs (an all-reduce) but leaves out the all-reduce of their
+    gradient in the backward: each rank keeps only its own loss's share of its slice's gradient."""
+
+    def gather(self, values, packed, shape):
+        full = super().gather(values, packed, shape)
+        local = values.new_zeros(shape).index_put((packed.rows, packed.columns), values)
+        return local + (full - local).detach()
+
+
+class SpUnreducedGradient:
+    def sequence_layout(self, model):
+        layout = super().sequence_layout(model)
+        return _UnreducedLayout(layout.packs, layout.sp)
+
+
 class RecordingActor(RecordInitialWeights, ActorWorker):
     pass
 
@@ -78,6 +110,24 @@ class DoubledGradientActor(DoubleOneGradient, RecordingActor):
     pass
 
 
+class SpLocalNormActor(SpLocalNormalisation, RecordingActor):
+    pass
+
+
+class SpLocalNormCritic(SpLocalNormalisation, RecordingCritic):
+    pass
+
+
+class SpUnreducedActor(SpUnreducedGradient, RecordingActor):
+    pass
+
+
+class SpUnreducedCritic(SpUnreducedGradient, RecordingCritic):
+    pass
+
+
 RECORDING = {"actor": RecordingActor, "critic": RecordingCritic}
 LOCAL_NORMALISATION = {"actor": LocalNormActor, "critic": LocalNormCritic}
 DOUBLED_GRADIENT = {"actor": DoubledGradientActor, "critic": RecordingCritic}
+SP_LOCAL_NORMALISATION = {"actor": SpLocalNormActor, "critic": SpLocalNormCritic}
+SP_UNREDUCED_GRADIENT = {"actor": SpUnreducedActor, "critic": SpUnreducedCritic}

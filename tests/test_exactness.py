@@ -88,6 +88,14 @@ LAYOUTS = {
     # DDP accumulates 2 micro-batches per rank without communication and all-reduces once (no_sync)
     "dp2-ddp-mb2": {"actor.dp_size": 2, "actor.strategy": "ddp", "critic.strategy": "ddp",
                     "actor.ppo_micro_batch_size_per_gpu": 2},
+    # packed micro-batches (no padding computed), 4 of 2 rows each
+    "pack-mb2": {"actor.use_remove_padding": True, "actor.ppo_micro_batch_size_per_gpu": 2},
+    # Ulysses sequence parallelism: each packed micro-batch (4 rows) split over 2 ranks
+    "sp2": {"actor.sp_size": 2, "actor.ppo_micro_batch_size_per_gpu": 4},
+    # dp=2 x sp=2 (4 processes per role, FSDP2 over all 4), 2 micro-batches of 2 rows per dp rank
+    "dp2-sp2": {"actor.dp_size": 2, "actor.sp_size": 2, "actor.ppo_micro_batch_size_per_gpu": 2},
+    # sp=2 with a token budget: a micro-batch packs up to 2 x 12 tokens, each rank holding half
+    "sp2-dyn": {"actor.sp_size": 2, "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": TOKEN_BUDGET // 2},
 }
 # (critic settings are inherited from the actor's: dp_size, micro-batch size, dynamic bsz, ...)
 
@@ -114,6 +122,16 @@ FITS = {
     "S1/dp2-dyn": ("S1", "dp2-dyn", {}),
     "S1/whole-doubled": ("S1", "whole", {"workers": exactness_workers.DOUBLED_GRADIENT, "steps": 1}),
     "A1/mb4": ("A1", "mb4", {}),
+    "S1/pack-mb2": ("S1", "pack-mb2", {}),
+    "S1/sp2": ("S1", "sp2", {}),
+    "S1/dp2-sp2": ("S1", "dp2-sp2", {}),
+    "S1/sp2-dyn": ("S1", "sp2-dyn", {}),
+    "S1/sp2-localnorm": ("S1", "sp2", {"workers": exactness_workers.SP_LOCAL_NORMALISATION, "steps": 1}),
+    "S1/sp2-unreduced": ("S1", "sp2", {"workers": exactness_workers.SP_UNREDUCED_GRADIENT, "steps": 1}),
+    "F1/pack-mb2": ("F1", "pack-mb2", {}),
+    "F1/sp2": ("F1", "sp2", {}),
+    "F1/dp2-sp2": ("F1", "dp2-sp2", {}),
+    "F1/sp2-dyn": ("F1", "sp2-dyn", {}),
     "genM": ("M1", "whole", {"record": True}),
     "M1/whole": ("M1", "whole", {"replay": "genM"}),
     "M1/dp2-mb2": ("M1", "dp2-mb2", {"replay": "genM"}),
@@ -130,6 +148,17 @@ PAIRS = [
     ("S1/whole", "S1/dp2-ddp-mb2"),  # the same under DDP
     ("S1/whole", "S1/dp2-dyn"),  # token budget at dp=2
     ("M1/whole", "M1/dp2-mb2"),  # multi-turn with mask holes: FSDP2 dp=2, 2 micro-batches per rank
+    # the sequence axis (workers/sequence.py): packed vs padded, Ulysses sp=2, dp=2 x sp=2, sp=2 with
+    # a token budget; token-mean actor and critic with KL in the loss under SGD (S1), and AdamW with
+    # a token-mean actor, a seq-mean-token-mean critic (a sequence split over ranks) and clipping (F1)
+    ("S1/whole", "S1/pack-mb2"),
+    ("S1/whole", "S1/sp2"),
+    ("S1/whole", "S1/dp2-sp2"),
+    ("S1/whole", "S1/sp2-dyn"),
+    ("F1/whole", "F1/pack-mb2"),
+    ("F1/whole", "F1/sp2"),
+    ("F1/whole", "F1/dp2-sp2"),
+    ("F1/whole", "F1/sp2-dyn"),
 ]
 
 _REPORT: list[str] = []
@@ -253,7 +282,10 @@ def test_layouts_ran_as_configured(fits):
     assert micro("F3/dp2") == [1.0] * 3  # 4 rows per rank in one micro-batch
     for name in ("F5/dp2-ddp-mb2", "S1/dp2-mb2", "S1/dp2-ddp-mb2", "M1/dp2-mb2"):  # 4 rows per rank in 2 micro-batches
         assert micro(name) == [2.0] * 3, name
-    assert all(n >= 2 for name in ("F2/dyn", "F4/dp2-dyn", "S1/dp2-dyn") for n in micro(name))
+    assert all(n >= 2 for name in ("F2/dyn", "F4/dp2-dyn", "S1/dp2-dyn", "S1/sp2-dyn", "F1/sp2-dyn") for n in micro(name))
+    for family in ("S1", "F1"):  # 8 rows per mini-batch: packed in micro-batches of 2, sp=2 in 2 of 4 rows
+        assert micro(f"{family}/pack-mb2") == [4.0] * 3 and micro(f"{family}/sp2") == [2.0] * 3
+        assert micro(f"{family}/dp2-sp2") == [2.0] * 3
 
 
 def test_dp2_shards_hold_unequal_token_counts(fits):
@@ -268,7 +300,7 @@ def test_dp2_shards_hold_unequal_token_counts(fits):
     from workers.trainable import micro_batch_plan
 
     recorded = recorded_batches(fits.record_path)
-    for name in ("S1/dp2-mb2", "S1/dp2-ddp-mb2", "S1/dp2-dyn"):
+    for name in ("S1/dp2-mb2", "S1/dp2-ddp-mb2", "S1/dp2-dyn", "S1/dp2-sp2"):
         cfg = load_config(None, tiny_overrides("unused", **{**BASE, **fits.overrides(name),
                                                             "reward.custom_function.path": __file__}))
         trainer = PPOTrainer(cfg)
@@ -374,6 +406,38 @@ def test_negative_control_doubled_gradient_of_one_tensor(fits):
                    f"norm failures at the first step: {first_step_norm_failures}")
     assert first_step_norm_failures == [f"step 1 actor/grad_probe/mb0/{target}"], first.failures[:5]
     assert any("/proj" in f for f in first.failures)
+
+
+def test_negative_control_sp_rank_normalises_by_its_own_tokens(fits):
+    """A test-only worker (exactness_workers.SpLocalNormalisation) at sp=2 divides each micro-batch
+    loss by the counts of the response tokens its own slice of the packed row predicts, not the
+    driver's BatchMeta (the sequence-parallel form of the bug): the comparison with the whole batch
+    must fail on both roles' gradients, while the correct sp=2 layout passes (PAIRS)."""
+    right, local = fits["S1/whole"], fits["S1/sp2-localnorm"]
+    full = compare_fits(right, local, metrics=(), params=False)
+    first = [f for f in full.failures if f.startswith("step 1 ")]
+    _REPORT.append(f"negative control (sp=2, each sp rank normalised by its own tokens): {len(first)} failures at the "
+                   f"first step, e.g. {first[:1]}")
+    assert any("actor/grad_probe/" in f for f in first), full.failures[:5]
+    assert any("critic/grad_probe/" in f for f in first), full.failures[:5]
+
+
+def test_negative_control_sp_gradient_not_reduced_over_the_sp_group(fits):
+    """A test-only layout (exactness_workers.SpUnreducedGradient) gathers the sp ranks' outputs
+    but leaves out the all-reduce of their gradient: each rank keeps only its own copy of the loss's
+    gradient, so at the first optimizer step every gradient is exactly 1/sp_size of the right one,
+    in every tensor and projection of both roles."""
+    right, unreduced = fits["S1/whole"], fits["S1/sp2-unreduced"]
+    for role in ("actor", "critic"):
+        a, b = first_step_probes(right, role), first_step_probes(unreduced, role)
+        assert a.keys() == b.keys() and len(a) > 10
+        factors = {name: b[name] / a[name] for name in a if abs(a[name]) > 1e-9}
+        worst = max(factors.items(), key=lambda item: abs(item[1] - 0.5))
+        _REPORT.append(f"negative control (sp=2 gradient not all-reduced): {role} probe factors at the first step "
+                       f"{min(factors.values()):.6f}..{max(factors.values()):.6f}, expected 0.5")
+        assert worst[1] == pytest.approx(0.5, rel=1e-3), worst
+    first = compare_fits(right, unreduced, metrics=(), params=False)
+    assert any(f.startswith("step 1 actor/grad_probe/") for f in first.failures), first.failures[:5]
 
 
 def test_first_sgd_step_equals_an_independent_float64_gradient(fits):

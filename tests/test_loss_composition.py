@@ -494,6 +494,20 @@ def test_actor_composed_loss_matches_independent_float64(tiny_model_dir, referen
         compare(run_worker(worker, actor_batch, meta), expected)
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_actor_packed_layout_matches_independent_float64(tiny_model_dir, reference_lm, actor_batch, name, mode):
+    """actor.use_remove_padding: the micro-batch runs as one packed row (workers/sequence.py), and
+    the composed loss, every gradient and every metric are still the padded float64 formulas'."""
+    kl_type = KL_PENALTY_MODES[LOSS_AGG_MODES.index(mode) % len(KL_PENALTY_MODES)]
+    worker = actor_worker(tiny_model_dir, policy_loss=name, loss_agg_mode=mode, kl_loss_type=kl_type,
+                          use_remove_padding=True)
+    assert worker.layout.packs
+    check_same_weights(worker.model, reference_lm)
+    meta = meta_for(actor_batch, 2)
+    compare(run_worker(worker, actor_batch, meta), expected_actor(reference_lm, actor_batch, name, mode, kl_type, meta))
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_policy_loss_options_from_the_config_reach_the_worker(tiny_model_dir, reference_lm, actor_batch, mode):
     """geo_mean with its own clip range, set as actor.policy_loss_options through load_config,
@@ -760,6 +774,16 @@ def test_critic_value_loss_matches_independent_float64(tiny_model_dir, critic_se
         expected = expected_critic(reference, micro, mode, meta)
         assert 0 < expected[2]["critic/vf_clipfrac"] < 1
         compare(run_worker(worker, micro, meta), expected)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_critic_packed_layout_matches_independent_float64(tiny_model_dir, critic_setup, mode):
+    reference, micro = critic_setup
+    worker = critic_worker(tiny_model_dir, loss_agg_mode=mode, use_remove_padding=True)
+    assert worker.layout.packs
+    check_same_weights(worker.model, reference)
+    meta = meta_for(micro, 2)
+    compare(run_worker(worker, micro, meta), expected_critic(reference, micro, mode, meta))
 
 
 def test_the_critic_check_can_fail(tiny_model_dir, critic_setup):

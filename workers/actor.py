@@ -43,13 +43,15 @@ class LogProbMixin:
         result = td["responses"].new_zeros(td["responses"].shape, dtype=torch.float32)
         with torch.no_grad(), self.forward_context():
             for idx in plan_micro_batches(td, micro_batch_size=micro_batch_size, group_prompts=self.share_prompt):
-                result[idx], _ = response_log_probs(self.model, td[idx], temperature, share_prompt=self.share_prompt)
+                result[idx], _ = response_log_probs(self.model, td[idx], temperature, share_prompt=self.share_prompt,
+                                                    layout=self.layout)
         return TensorDict({out_key: result.cpu()}, batch_size=td.batch_size)
 
 
 class ActorWorker(LogProbMixin, TrainableWorker):
     role = "actor"
     section = "actor"
+    layout_section = "actor"
 
     def init_model(self, model_path: str, total_steps: int) -> int:
         actor = self.cfg.actor
@@ -59,7 +61,9 @@ class ActorWorker(LogProbMixin, TrainableWorker):
         if self.uses_lora:
             model = lora.add_adapters(model, actor.lora, seed=self.cfg.trainer.seed)
             self.adapter_config = lora.adapter_config(model)
-        self.share_prompt = share_prompt_setting(model, actor.model.share_prompt_forward, "actor.model.share_prompt_forward")
+        self.layout = self.sequence_layout(model)
+        self.share_prompt = not self.layout.packs and share_prompt_setting(
+            model, actor.model.share_prompt_forward, "actor.model.share_prompt_forward")
         self.model = self.wrap_trainable(model)
         self.optimizer = build_optimizer(self.model.parameters(), actor.optim)  # the trainable ones
         self.scheduler = build_scheduler(self.optimizer, actor.optim, total_steps)
@@ -130,7 +134,7 @@ class ActorWorker(LogProbMixin, TrainableWorker):
 
     def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
         log_prob, entropy = response_log_probs(self.model, micro, self.cfg.rollout.temperature, with_entropy=True,
-                                               share_prompt=self.share_prompt)
+                                               share_prompt=self.share_prompt, layout=self.layout)
         forward = {"log_probs": log_prob, "entropy": entropy}
         if "old_log_probs" not in micro.keys():
             # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
@@ -161,12 +165,14 @@ class ActorWorker(LogProbMixin, TrainableWorker):
 
 class ReferenceWorker(LogProbMixin, WorkerBase):
     role = "reference"
+    layout_section = "reference"
 
     def init_model(self, model_path: str) -> int:
         model = load_causal_lm(model_path, self.cfg.actor.model.dtype)
         model.requires_grad_(False)
-        self.share_prompt = share_prompt_setting(model, self.cfg.actor.model.share_prompt_forward,
-                                                 "actor.model.share_prompt_forward")
+        self.layout = self.sequence_layout(model)
+        self.share_prompt = not self.layout.packs and share_prompt_setting(
+            model, self.cfg.actor.model.share_prompt_forward, "actor.model.share_prompt_forward")
         num_params = sum(p.numel() for p in model.parameters())
         # the actor's compute numerics, so that the KL of identical weights is 0
         self.precision = Precision.of(self.cfg.actor)

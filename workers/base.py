@@ -10,7 +10,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from rlflow.config import RLFlowConfig
+from rlflow.config import RLFlowConfig, packs_sequences
+from workers.sequence import NO_SEQUENCE_PARALLEL, PADDED, SequenceLayout, sequence_parallel_groups, use_packed_attention
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -154,6 +155,10 @@ class WorkerBase:
     """One rank of a role. Ray creates it, the group then calls `init_distributed`."""
 
     role = "worker"
+    # the config section whose use_remove_padding / sp_size lay out this role's forwards (None: padded)
+    layout_section: str | None = None
+    sequence_parallel = NO_SEQUENCE_PARALLEL
+    layout = PADDED  # set by init_model from sequence_layout (workers/sequence.py)
 
     def __init__(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1):
         self.cfg = cfg
@@ -224,6 +229,7 @@ class WorkerBase:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.cfg.trainer.remote_timeout_s),
         )
+        self.sequence_parallel = sequence_parallel_groups(self.rank, self.world_size, self.sp_size)
 
     def ping(self) -> int:
         return self.rank
@@ -245,6 +251,27 @@ class WorkerBase:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks one sequence is split over; the group's ranks [g*sp, (g+1)*sp) are dp rank g."""
+        return getattr(self.cfg, self.layout_section).sp_size if self.layout_section else 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def sequence_layout(self, model: torch.nn.Module) -> SequenceLayout:
+        """Padded, or packed (switching the model to the packed attention) under this role's
+        use_remove_padding / sp_size."""
+        section = getattr(self.cfg, self.layout_section) if self.layout_section else None
+        if section is None or not packs_sequences(section):
+            return PADDED
+        if not getattr(model, "_supports_attention_backend", False):
+            raise ValueError(f"{self.layout_section}.use_remove_padding / sp_size: {type(model).__name__} does not take "
+                             "transformers' attention functions, which packed micro-batches run through")
+        use_packed_attention(model)
+        return SequenceLayout(packs=True, sp=self.sequence_parallel)
 
     def wrap_for_training(self, model: torch.nn.Module, strategy: str, precision) -> torch.nn.Module:
         """FSDP2 (fully_shard per decoder layer, then the root) or DDP when dp > 1; with mixed

@@ -28,13 +28,16 @@ def load_value_model(path: str, dtype: str) -> torch.nn.Module:
 class CriticWorker(TrainableWorker):
     role = "critic"
     section = "critic"
+    layout_section = "critic"
 
     def init_model(self, model_path: str, total_steps: int) -> int:
         critic = self.cfg.critic
         model = load_value_model(model_path, critic.model.dtype)
         if critic.model.gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        self.share_prompt = share_prompt_setting(model, critic.model.share_prompt_forward, "critic.model.share_prompt_forward")
+        self.layout = self.sequence_layout(model)
+        self.share_prompt = not self.layout.packs and share_prompt_setting(
+            model, critic.model.share_prompt_forward, "critic.model.share_prompt_forward")
         self.model = self.wrap_trainable(model)
         self.optimizer = build_optimizer(self.model.parameters(), critic.optim)
         self.scheduler = build_scheduler(self.optimizer, critic.optim, total_steps)
@@ -51,11 +54,11 @@ class CriticWorker(TrainableWorker):
         with torch.no_grad(), self.forward_context():
             for idx in plan_micro_batches(td, micro_batch_size=self.cfg.critic.forward_micro_batch_size_per_gpu,
                                           group_prompts=self.share_prompt):
-                values[idx] = response_values(self.model, td[idx], self.share_prompt) * td[idx]["response_mask"]
+                values[idx] = response_values(self.model, td[idx], self.share_prompt, self.layout) * td[idx]["response_mask"]
         return TensorDict({"values": values.cpu()}, batch_size=td.batch_size)
 
     def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
-        vpreds = response_values(self.model, micro, self.share_prompt)
+        vpreds = response_values(self.model, micro, self.share_prompt, self.layout)
         loss, metrics = compose_loss(self.loss_terms, ChainMap({"vpreds": vpreds}, micro), meta, prefix="critic/")
         metrics["critic/vpred_mean"] = masked_mean_metric(vpreds, micro["response_mask"])
         return loss, metrics

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 from rlflow.algos import entropy_from_logits
 from rlflow.protocol import prompt_groups
+from workers.sequence import PADDED, SequenceLayout, pack_micro_batch, packed_forward
 
 logger = logging.getLogger(__name__)
 
@@ -213,19 +214,34 @@ def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def response_log_probs(
-    model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False, share_prompt: bool = False
+    model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False, share_prompt: bool = False,
+    layout: SequenceLayout = PADDED,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token) under logits / temperature (the sampling distribution), [B, R]."""
+    shape = tuple(td["responses"].shape)
+    if layout.packs:
+        packed = pack_micro_batch(td, layout.sp)
+        logits = packed_forward(model, packed, layout.sp, _takes_logits_to_keep(type(_hf_model(model))))
+        logits = logits.float() / temperature
+        tokens = td["responses"][packed.rows, packed.columns]
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        entropy = layout.gather(entropy_from_logits(logits), packed, shape) if with_entropy else None
+        return layout.gather(log_probs, packed, shape), entropy
     logits, kept = _forward_window(model, td, share_prompt)
     logits = logits.float() / temperature
     tokens = td["responses"][:, :kept]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    width = td["responses"].shape[1]
+    width = shape[1]
     entropy = _pad_to(entropy_from_logits(logits), width) if with_entropy else None
     return _pad_to(log_probs, width), entropy
 
 
-def response_values(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False) -> torch.Tensor:
+def response_values(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False,
+                    layout: SequenceLayout = PADDED) -> torch.Tensor:
     """V(state before each response token), [B, R], from a model with a scalar head."""
+    if layout.packs:
+        packed = pack_micro_batch(td, layout.sp)
+        scores = packed_forward(model, packed, layout.sp, _takes_logits_to_keep(type(_hf_model(model))))
+        return layout.gather(scores.squeeze(-1).float(), packed, tuple(td["responses"].shape))
     scores, kept = _forward_window(model, td, share_prompt)
     return _pad_to(scores.squeeze(-1).float(), td["responses"].shape[1])

@@ -16,6 +16,7 @@ import os
 import torch
 from tensordict import TensorDict
 
+from rlflow.config import micro_batch_token_budget
 from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import MICRO_PLAN_KEY, BatchMeta, get_meta, split_micro_batches
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
@@ -66,7 +67,7 @@ def micro_batch_plan(section, shard: TensorDict, group_prompts: bool = False) ->
     a fixed size (a prompt's rows together when the forward shares prompts), or the token budget
     with the count the driver asks every rank to run."""
     if section.use_dynamic_bsz:
-        plan = {"max_token_len": section.ppo_max_token_len_per_gpu}
+        plan = {"max_token_len": micro_batch_token_budget(section)}
         if MICRO_PLAN_KEY in shard.keys():
             plan["num_micro_batches"] = int(shard.get_non_tensor(MICRO_PLAN_KEY))
         return plan
@@ -135,8 +136,9 @@ class TrainableWorker(WorkerBase):
 
     def _loss_meta(self, meta: BatchMeta | None) -> BatchMeta | None:
         """The BatchMeta the loss terms divide by: the driver's, for this group's size."""
-        if meta is not None and meta.dp_size != self.world_size:
-            raise ValueError(f"{self.role} rank {self.rank}: BatchMeta.dp_size={meta.dp_size} but this group has {self.world_size} ranks")
+        if meta is not None and meta.dp_size != self.dp_size:
+            raise ValueError(f"{self.role} rank {self.rank}: BatchMeta.dp_size={meta.dp_size} but this group has "
+                             f"{self.dp_size} data-parallel ranks")
         return meta
 
     @resident
@@ -159,7 +161,8 @@ class TrainableWorker(WorkerBase):
                         loss, metrics = self.micro_loss(micro, meta)
                     (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
                 finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
-                records.append(metrics)
+                if self.sequence_parallel.rank == 0:  # the sp ranks of a group compute the same micro-batch loss
+                    records.append(metrics)
             if self.loss_scale is not None:
                 self.loss_scale.unscale_(self.model.parameters())
             if probes.enable:  # the reduced gradient, before clipping changes it
