@@ -258,18 +258,26 @@ class PPOTrainer:
         per_worker = cfg.trainer.cpus_per_worker
         threads = worker_threads(sum(sizes.values()))
         env = dict(_worker_env())
+        # a rollout rank's vLLM engine runs its tensor-parallel ranks on the GPUs the rank holds
+        gpus_per_rank = {name: cfg.rollout.tensor_parallel_size if name == "rollout" else 1 for name in roles}
         if cfg.trainer.colocate:
+            if use_gpu and max(gpus_per_rank.values()) > 1:
+                raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs "
+                                 "trainer.colocate=false on GPUs: a colocated bundle holds one GPU")
             pool = ResourcePool(max(sizes.values()), per_worker * len(roles), int(use_gpu), name="colocated")
             self.pools = [pool]
             pools = {name: pool for name in roles}
         else:
-            pools = {name: ResourcePool(size, per_worker, int(use_gpu), name=name) for name, size in sizes.items()}
+            pools = {name: ResourcePool(size, per_worker, int(use_gpu) * gpus_per_rank[name], name=name)
+                     for name, size in sizes.items()}
             self.pools = list(pools.values())
-        gpus = (1.0 / len(roles) if cfg.trainer.colocate else 1.0) if use_gpu else 0.0
+        gpus = {name: (1.0 / len(roles) if cfg.trainer.colocate else float(gpus_per_rank[name])) if use_gpu else 0.0
+                for name in roles}
         # the groups start concurrently: each waits for its processes to import torch & co
         with ThreadPoolExecutor(max_workers=len(roles)) as executor:
             starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, sizes[name], cfg, pools[name],
-                                              per_worker, gpus, env=env, num_threads=threads, sp_size=role.sp_size(cfg))
+                                              per_worker, gpus[name], env=env, num_threads=threads,
+                                              sp_size=role.sp_size(cfg))
                         for name, role in roles.items()}
             errors = []
             for name, future in starting.items():

@@ -13,7 +13,11 @@ What it does, printing each result:
    load_weights into the running vLLM engine, then checks that vLLM's greedy answer changed to it
    and that vLLM's rollout log-probs equal the HF model's (max |diff| < --tol; TF32 off on the HF
    side);
-4. with --train: `rlflow train rollout.name=vllm trainer.total_steps=3` in a subprocess (HOOK).
+4. tensor parallelism (rollout.tensor_parallel_size): a second engine with tensor_parallel_size = the
+   number of visible GPUs (--tp to choose; skipped, with a printed line, when only one GPU is
+   visible; on a CPU machine only with --tp): its parallel config has that many ranks, then the
+   weight-sync check of 3 on it;
+5. with --train: `rlflow train rollout.name=vllm trainer.total_steps=3` in a subprocess (HOOK).
 Exits non-zero if a check fails.
 """
 
@@ -73,7 +77,7 @@ def hf_log_probs(model, out, device) -> torch.Tensor:
     return result
 
 
-def check_weight_sync(engine, model_dir, tok, args, device) -> bool:
+def check_weight_sync(engine, model_dir, tok, args, device, label: str = "weight sync") -> bool:
     from transformers import AutoModelForCausalLM
 
     from tensordict import TensorDict
@@ -100,11 +104,55 @@ def check_weight_sync(engine, model_dir, tok, args, device) -> bool:
         diffs.append(float(((ref - out["rollout_log_probs"]) * out["response_mask"]).abs().max()))
     ok_answer = got == answer and changed
     ok_lp = max(diffs) < args.tol
-    print(f"weight sync: {steps} optimizer steps, load_weights {sync_s:.3f}s; greedy answer "
+    print(f"{label}: {steps} optimizer steps, load_weights {sync_s:.3f}s; greedy answer "
           f"{'changed to the trained one' if ok_answer else f'WRONG: {got} (wanted {answer})'}; "
           f"max |vLLM - HF| log-prob greedy {diffs[0]:.2e}, sampled {diffs[1]:.2e} "
           f"(tol {args.tol:g}) -> {'PASS' if ok_answer and ok_lp else 'FAIL'}")
     return ok_answer and ok_lp
+
+
+def check_tensor_parallel(model_dir, tok, args, device, common) -> bool:
+    """An engine split over the visible GPUs, as rollout.tensor_parallel_size builds it."""
+    from transformers import AutoConfig
+
+    from workers.rollout.vllm import VLLMRollout
+
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        tp = args.tp or visible
+        if visible < 2:
+            print(f"tensor parallel: SKIPPED, {visible} visible GPU (tensor_parallel_size > 1 needs 2 or more)")
+            return True
+        if not 2 <= tp <= visible:
+            print(f"tensor parallel: SKIPPED, --tp {tp} is not in 2..{visible} (the visible GPUs)")
+            return True
+    else:  # vLLM-CPU runs TP too (a worker process per rank, the cores split between them): only with --tp
+        tp = args.tp
+        if tp < 2:
+            print("tensor parallel: SKIPPED, no GPU (--tp N checks it on vLLM-CPU)")
+            return True
+    heads = AutoConfig.from_pretrained(model_dir).num_attention_heads
+    if heads % tp:
+        print(f"tensor parallel: SKIPPED, tensor_parallel_size {tp} does not divide the model's {heads} attention "
+              f"heads (--tp to choose another)")
+        return True
+    t0 = time.perf_counter()
+    engine = VLLMRollout(
+        model_dir, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
+        engine_in_process=not args.multiprocess, tensor_parallel_size=tp, **common,
+    )
+    start = time.perf_counter() - t0
+    try:
+        parallel = engine.llm.llm_engine.vllm_config.parallel_config
+        ok_config = parallel.tensor_parallel_size == tp and parallel.world_size == tp
+        print(f"tensor parallel: engine start {start:.1f}s; parallel_config tensor_parallel_size "
+              f"{parallel.tensor_parallel_size}, world_size {parallel.world_size}, executor "
+              f"{parallel.distributed_executor_backend} (wanted {tp}) -> {'PASS' if ok_config else 'FAIL'}")
+        ok_sync = check_weight_sync(engine, model_dir, tok, args, device,
+                                    label=f"weight sync, tensor_parallel_size {tp}")
+    finally:
+        engine.shutdown()
+    return ok_config and ok_sync
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +191,8 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--multiprocess", action="store_true", help="vLLM's engine in its own process (default: in this one)")
     parser.add_argument("--tol", type=float, default=1e-3, help="log-prob tolerance of the weight-sync check")
+    parser.add_argument("--tp", type=int, default=0,
+                        help="tensor_parallel_size of the tensor-parallel check (default: the visible GPUs)")
     parser.add_argument("--train", action="store_true", help="also run the short PPO run with rollout.name=vllm")
     parser.add_argument("--train-arg", action="append", default=[], help="extra override for the PPO run")
     args = parser.parse_args()
@@ -203,6 +253,8 @@ def main() -> int:
 
     ok &= check_weight_sync(engine, model_dir, tok, args, device)
     engine.shutdown()
+
+    ok &= check_tensor_parallel(model_dir, tok, args, device, common)
 
     if args.train:
         ok &= run_ppo_smoke(args.model, args.train_arg)

@@ -150,3 +150,13 @@ def test_engines_come_from_the_registry_or_an_import_path():
         get_engine("sglang")
     with pytest.raises(TypeError, match="not a workers.rollout.engine.RolloutEngine subclass"):
         get_engine("workers.rollout.hf:torch")
+
+
+def test_hf_engine_refuses_tensor_parallelism():
+    """rollout.name=auto resolves to hf where vllm is not installed; validation cannot refuse a
+    tensor_parallel_size > 1 there (it refuses rollout.name=hf), so the engine does, by name."""
+    from rlflow import load_config
+
+    cfg = load_config(None, ["rollout.name=auto", "rollout.tensor_parallel_size=2"])
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: the hf engine runs one model per rollout rank"):
+        HFRollout.from_config("unused", cfg, device=torch.device("cpu"), seed=0, pad_token_id=0, eos_token_id=2)

@@ -5,7 +5,8 @@ otherwise. The engine runs in a Ray actor, as in the framework, so vLLM's proces
 (thread binding, global seed, its no-op torch.set_num_threads) stay out of the pytest process. The
 main engine is started once for the module with the engine inside the actor's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, ~10 s on 2 cores); one test starts a second engine in vLLM's
-default multi-process mode (~60 s) to cover the file transport of weights through vLLM's RPC.
+default multi-process mode (~60 s) to cover the file transport of weights through vLLM's RPC, and
+one an engine with rollout.tensor_parallel_size=2 (two vLLM worker processes, ~30-40 s).
 """
 
 from __future__ import annotations
@@ -506,3 +507,148 @@ def test_vllm_engine_sleeps_and_wakes(ray_session, tiny_model_dir):
     finally:
         ray.get(engine.shutdown.remote(), timeout=120)
         ray.kill(engine)
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout.tensor_parallel_size. vLLM-CPU runs TP > 1 (a CPUWorker process per rank, gloo plus its
+# shared-memory all-reduce); its default thread binding wants a NUMA node per rank, so on a
+# one-node machine the engine splits the allowed cores between the ranks (workers/rollout/vllm.py).
+
+
+def _tp_config(model_dir: str, tensor_parallel_size: int):
+    from conftest import tiny_overrides
+    from rlflow import load_config
+
+    return load_config(None, tiny_overrides(model_dir, **{
+        "rollout.name": "vllm", "rollout.tensor_parallel_size": tensor_parallel_size,
+        "rollout.temperature": TEMPERATURE, "data.max_prompt_length": P_MAX, "data.max_response_length": R}))
+
+
+def _clear_env(monkeypatch, *names: str) -> None:
+    """Unset names for this test; monkeypatch puts back whatever they were (set or not) afterwards."""
+    for name in names:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_from_config_hands_tensor_parallel_size_to_vllm(monkeypatch, tiny_model_dir, tok):
+    """No engine starts: vllm.LLM is replaced by a recorder. rollout.tensor_parallel_size reaches
+    LLM; with TP > 1 the TP ranks are vLLM's multiprocessing workers (not its Ray executor, which it
+    would pick inside the rollout actor's placement group), and on vLLM-CPU each rank gets its cores."""
+    import os
+
+    import vllm
+
+    from workers.rollout.vllm import VLLMRollout, _on_cpu
+
+    calls = []
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    _clear_env(monkeypatch, "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    device = torch.device("cpu")
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+    VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 1), device=device, seed=0, **ids)
+    assert calls[-1]["tensor_parallel_size"] == 1
+    assert "distributed_executor_backend" not in calls[-1]  # one rank: vLLM's own choice (in this process)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+    VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 2), device=device, seed=0, **ids)
+    assert calls[-1]["tensor_parallel_size"] == 2
+    assert calls[-1]["distributed_executor_backend"] == "mp"
+    if _on_cpu():
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+        if len(get_visible_memory_node()) < 2:  # one NUMA node: the 5 allowed cores split 2 + 2
+            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+        # a binding the user set is kept
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3|4")
+        VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 2), device=device, seed=0, **ids)
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "3|4"
+        # more ranks than cores is refused before vLLM starts
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        if len(get_visible_memory_node()) < 2:
+            with pytest.raises(ValueError, match="needs a core per rank"):
+                VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 2), device=device, seed=0, **ids)
+
+
+def _parallel_config(ray, actor) -> dict:
+    def read(self):
+        pc = self.llm.llm_engine.vllm_config.parallel_config
+        return dict(tp=pc.tensor_parallel_size, world=pc.world_size, backend=pc.distributed_executor_backend)
+
+    return ray.get(actor.__ray_call__.remote(read), timeout=60)
+
+
+def test_the_module_engine_runs_one_rank(ray_session, engine):
+    """The default (no tensor_parallel_size): one rank, in the engine's process."""
+    assert _parallel_config(ray_session, engine) == dict(tp=1, world=1, backend="uni")
+
+
+def test_tensor_parallel_engine_from_config(ray_session, tok, tiny_model_dir):
+    """rollout.tensor_parallel_size=2 through from_config, as a rollout rank builds its engine: the
+    running engine's parallel config has 2 ranks; its rollout log-probs are the HF model's, and a
+    weight sync reaches both shards (the greedy answer changes to the trained one, the log-probs
+    are the updated model's). 30-40 s on 2 CPU cores: the TP ranks are processes that import vLLM."""
+    import os
+
+    ray = ray_session
+    tp = 2
+    on_gpu = torch.cuda.is_available()
+    if on_gpu and torch.cuda.device_count() < tp:
+        pytest.skip(f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    if not on_gpu and len(os.sched_getaffinity(0)) < tp:
+        pytest.skip(f"tensor_parallel_size={tp} on vLLM-CPU needs {tp} cores")
+    cfg = _tp_config(tiny_model_dir, tp)
+
+    @ray.remote(num_cpus=1, num_gpus=tp if on_gpu else 0)
+    class ConfiguredEngine:
+        """The engine of a rollout rank (RolloutWorker.init_engine), with VLLMRollout's methods."""
+
+        def __init__(self, model_dir, cfg, pad_token_id, eos_token_id):
+            from workers.rollout.vllm import VLLMRollout
+
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.engine = VLLMRollout.from_config(model_dir, cfg, device=device, seed=0, pad_token_id=pad_token_id,
+                                                  eos_token_id=eos_token_id)
+            self.llm = self.engine.llm
+
+        def generate(self, batch, **kwargs):
+            return self.engine.generate(batch, **kwargs)
+
+        def load_weights(self, state_dict):
+            return self.engine.load_weights(state_dict)
+
+        def shutdown(self):
+            self.engine.shutdown()
+
+    actor = ConfiguredEngine.remote(tiny_model_dir, cfg, tok.pad_token_id, tok.eos_token_id)
+    try:
+        assert _parallel_config(ray, actor) == dict(tp=tp, world=tp, backend="mp")
+        batch = _batch(tok)
+        out = _gen(ray, actor, batch, n=2, do_sample=True, seed=11, return_log_probs=True)
+        _check_layout(out, batch, 2, tok)
+        model = _hf_model(tiny_model_dir)
+        diff = _max_diff(out["rollout_log_probs"], _hf_log_probs(model, out, TEMPERATURE), out["response_mask"])
+        print(f"\nvLLM tensor_parallel_size={tp} vs HF rollout log-probs: max |diff| {diff:.2e}")
+        assert diff < TOL, diff
+
+        probe = _batch(tok, ["Q: what is 3+4? A:"])
+        before = _gen(ray, actor, probe, n=1, do_sample=False)
+        answer = tok.encode(" 7", add_special_tokens=False) + [tok.eos_token_id]
+        _train_to_answer(model, tok, "Q: what is 3+4? A:", answer)
+        ray.get(actor.load_weights.remote(model.state_dict()), timeout=300)
+        after = _gen(ray, actor, probe, n=1, do_sample=False, return_log_probs=True)
+        assert not torch.equal(after["responses"], before["responses"])
+        assert after["responses"][0, : len(answer)].tolist() == answer
+        diff = _max_diff(after["rollout_log_probs"], _hf_log_probs(model, after, 1.0), after["response_mask"])
+        assert diff < TOL, diff
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=120)
+        ray.kill(actor)

@@ -39,6 +39,9 @@ class HFRollout(RolloutEngine):
 
     @classmethod
     def from_config(cls, model_path, cfg, *, device, seed, pad_token_id, eos_token_id):
+        if cfg.rollout.tensor_parallel_size != 1:  # rollout.name=auto without vllm installed lands here
+            raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: the hf engine runs "
+                             "one model per rollout rank; install vllm for tensor parallelism (or use rollout.dp_size)")
         return cls(model_path, micro_batch_size=cfg.rollout.micro_batch_size,
                    **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 

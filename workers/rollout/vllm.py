@@ -35,6 +35,21 @@ weights are discarded too (no host copy to hold or copy back), and the caller mu
 after ``wake_up`` before generating, as rlflow's sync after each actor update does (the layerwise
 reload rewrites every weight; vLLM keeps the buffers, such as rotary caches, itself).
 
+Tensor parallelism (``tensor_parallel_size``, rollout.tensor_parallel_size). The engine's TP
+ranks run as vLLM's multiprocessing workers, children of this process on the devices it holds
+(``distributed_executor_backend="mp"``): in a Ray placement group, which is where a rollout actor
+runs, vLLM would otherwise choose its Ray executor (vllm/config/parallel.py), which vLLM-CPU does
+not support (no ``ray_device_key``) and which on GPUs wants placement-group bundles of one GPU each
+for workers of its own, while the rollout actor already holds the GPUs. So a rollout rank on GPUs
+must reserve ``tensor_parallel_size`` GPUs. vLLM-CPU 0.32 runs TP > 1: a ``CPUWorker`` process per
+rank, gloo plus a shared-memory all-reduce (vllm/distributed/device_communicators/
+cpu_communicator.py); its default thread binding (VLLM_CPU_OMP_THREADS_BIND=auto) puts each rank on
+its own NUMA node and refuses to start with fewer nodes than ranks (vllm/utils/ompmultiprocessing.py),
+so on such a machine the allowed cores are split between the ranks here unless the user set
+VLLM_CPU_OMP_THREADS_BIND. With ``engine_in_process`` only the engine core is in this process;
+weights still go "direct": the TP workers receive the tensors pickled through vLLM's shared-memory
+queue, not as lists.
+
 Building an ``LLM`` spawns vLLM's engine process unless VLLM_ENABLE_V1_MULTIPROCESSING=0: in the
 framework it lives in the rollout Ray actor; in a plain script build it under
 ``if __name__ == "__main__":``. In-process, vLLM's CPU worker binds the process' threads, sets the
@@ -194,7 +209,9 @@ class VLLMRollout(RolloutEngine):
     and worker processes, docs/BENCHMARKS.md); False forces vLLM's own processes; None (default)
     follows the environment. ``enable_sleep_mode``: let ``sleep`` free the engine's memory where
     vLLM's platform supports it (see the module's notes; ignored on CPU). ``engine_kwargs`` go to
-    ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``, ``max_num_seqs``, ``kv_cache_memory_bytes``).
+    ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``max_num_seqs``, ``kv_cache_memory_bytes``); with
+    ``tensor_parallel_size`` > 1 ``distributed_executor_backend`` defaults to "mp" and on vLLM-CPU
+    the ranks' cores are chosen when vLLM cannot (module notes, "Tensor parallelism").
     """
 
     def __init__(
@@ -245,8 +262,15 @@ class VLLMRollout(RolloutEngine):
         if self._sleep_mode:
             engine_kwargs["enable_sleep_mode"] = True
         max_model_len = max_model_len or self.max_prompt_length + self.max_response_length
+        tensor_parallel_size = int(engine_kwargs.get("tensor_parallel_size") or 1)
+        if tensor_parallel_size > 1:
+            # vLLM would pick its Ray executor inside a Ray placement group (a rollout actor): the
+            # TP ranks are instead this process' children, on the devices it holds (module notes)
+            engine_kwargs.setdefault("distributed_executor_backend", "mp")
         if _on_cpu():
             engine_kwargs.setdefault("max_num_batched_tokens", _unchunked_token_budget(max_model_len, engine_kwargs))
+            if tensor_parallel_size > 1:
+                _bind_cpu_tp_ranks(tensor_parallel_size)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -268,6 +292,7 @@ class VLLMRollout(RolloutEngine):
             engine_kwargs["kv_cache_memory_bytes"] = 256 * 2**20
         return cls(model_path, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                    enforce_eager=cfg.rollout.enforce_eager,
+                   tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                    engine_in_process=True,  # the rollout Ray actor is the engine's dedicated process
                    enable_sleep_mode=cfg.rollout.sleep, **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
@@ -496,6 +521,28 @@ def _unchunked_token_budget(max_model_len: int, engine_kwargs: dict) -> int:
     does not use offset"): every seeded batch whose prompts exceed the default 4096 tokens failed."""
     max_num_seqs = engine_kwargs.get("max_num_seqs") or 256  # vLLM-CPU's default for an LLM
     return max(4096, int(max_num_seqs) * int(max_model_len))
+
+
+def _bind_cpu_tp_ranks(tensor_parallel_size: int) -> None:
+    """vLLM-CPU with TP > 1: give each rank its own cores when vLLM cannot choose them itself.
+
+    vLLM's default binding (VLLM_CPU_OMP_THREADS_BIND=auto) puts each TP rank on its own NUMA node
+    and refuses to start with fewer NUMA nodes than ranks ("Not enough allowed NUMA nodes to bind
+    threads", vllm/utils/ompmultiprocessing.py); on a one-node machine the allowed CPUs are split
+    into contiguous groups instead ("0,1|2,3"). A binding set by the user is kept."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or "VLLM_CPU_SIM_MULTI_NUMA" in os.environ:
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) >= tensor_parallel_size:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} on vLLM-CPU needs a core per rank; "
+                         f"this process may use {len(cpus)} ({cpus})")
+    per_rank = len(cpus) // tensor_parallel_size
+    groups = [cpus[r * per_rank:(r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, group)) for group in groups)
 
 
 def _sleep_mode_available() -> bool:
