@@ -483,9 +483,9 @@ class PPOTrainer:
             token_level_rewards=rewards, response_mask=mask, gamma=algo.gamma, lam=algo.lam,
             index=batch["group_index"], norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         )
-        for key in ("values", "reward_baselines"):
-            if key in batch.keys():
-                inputs[key] = batch[key]
+        # the batch keys the estimator declares (values, reward_baselines, or a user estimator's own)
+        inputs.update({key: batch[key] for key in estimator_inputs(algo.adv_estimator)
+                       if key not in inputs and key in batch.keys()})
         missing = [name for name in estimator_inputs(algo.adv_estimator) if name not in inputs]
         if missing:
             raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} needs {missing}, which this batch lacks "

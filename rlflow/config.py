@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf  # noqa: F401
 from omegaconf.errors import OmegaConfBaseException
 
-from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, POLICY_LOSSES  # torch-only
-from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, option_names
+from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, NEEDS_GROUPS, POLICY_LOSSES  # torch-only
+from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, estimator_inputs, option_names
 from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
 
 ROLLOUT_NAMES = ("hf", "vllm", "auto")
@@ -665,8 +665,9 @@ def _check_agent(cfg: DictConfig) -> None:
     # the environments' rewards are the scores
     _need(not cfg.reward_model.enable, "rollout.agent.env: the environment rewards the episodes; reward_model.enable "
                                        "is not supported with it")
-    _need(cfg.algorithm.adv_estimator != "remax", "rollout.agent.env: algorithm.adv_estimator=remax (a greedy "
-                                                  "baseline response per prompt) is not supported with it")
+    _need("reward_baselines" not in estimator_inputs(cfg.algorithm.adv_estimator),
+          f"rollout.agent.env: algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline response "
+          "per prompt) is not supported with it")
 
 
 def _check_dynamic_sampling(cfg: DictConfig) -> None:
@@ -721,7 +722,7 @@ def validate_config(cfg: DictConfig) -> None:
     if algo.adv_estimator in NEEDS_CRITIC:
         _need(bool(cfg.critic.enable), f"algorithm.adv_estimator={algo.adv_estimator} needs a critic: "
                                        "set critic.enable=true (or leave it unset)")
-    if algo.adv_estimator in ("grpo", "rloo"):
+    if algo.adv_estimator in NEEDS_GROUPS:
         _need(rollout.n >= 2, f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group: "
                               f"rollout.n must be >= 2, got {rollout.n}")
     _need(cfg.actor.policy_loss in POLICY_LOSSES,

@@ -10,6 +10,7 @@ import torch
 from rlflow.algos import (
     ADV_ESTIMATORS,
     NEEDS_CRITIC,
+    NEEDS_GROUPS,
     compute_gae_advantage_return,
     compute_gae_unwhitened,
     compute_grpo_outcome_advantage,
@@ -200,8 +201,10 @@ def test_remax_subtracts_the_greedy_baseline():
 def test_registry_and_uniform_calling_convention():
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "remax"}
     assert NEEDS_CRITIC == {"gae"}
+    assert NEEDS_GROUPS == {"grpo", "rloo"}  # declared where they are registered; validation reads them
     for name in ADV_ESTIMATORS:
         assert ("values" in estimator_inputs(name)) == (name in NEEDS_CRITIC)
+        assert ("index" in estimator_inputs(name)) == (name in NEEDS_GROUPS)
     with pytest.raises(ValueError, match="grpo"):
         get_adv_estimator_fn("ppo")
 

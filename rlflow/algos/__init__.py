@@ -8,6 +8,7 @@ tests can use it without paying for the heavy stacks.
 from .advantages import (
     ADV_ESTIMATORS,
     NEEDS_CRITIC,
+    NEEDS_GROUPS,
     compute_gae_advantage_return,
     compute_gae_unwhitened,
     compute_grpo_outcome_advantage,
@@ -99,6 +100,7 @@ from .terms import (
 __all__ = [
     "ADV_ESTIMATORS",
     "NEEDS_CRITIC",
+    "NEEDS_GROUPS",
     "compute_gae_advantage_return",
     "compute_gae_unwhitened",
     "compute_grpo_outcome_advantage",

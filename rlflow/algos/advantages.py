@@ -4,8 +4,9 @@ Uniform calling convention: every registered estimator is called with keyword ar
 accepts ``**unused``, so the driver can build one kwargs dict (token_level_rewards, response_mask, values,
 index, reward_baselines, gamma, lam, epsilon, norm_adv_by_std_in_grpo, ...) and call
 ``get_adv_estimator_fn(name)(**kwargs)``. Each returns (advantages, returns), both [B, T] and zero
-wherever response_mask is 0. ``estimator_inputs(name)`` lists the inputs an estimator requires;
-only the estimators in NEEDS_CRITIC need ``values`` (a critic).
+wherever response_mask is 0. ``estimator_inputs(name)`` lists the inputs an estimator requires.
+Traits are declared at registration and read by config validation: the estimators in NEEDS_CRITIC
+need ``values`` (a critic starts), those in NEEDS_GROUPS compare a prompt's responses (rollout.n >= 2).
 
 Masks may be right-padded or have holes: the backward recursions carry their state across masked
 positions unchanged, so nothing at a masked position (values or rewards in padding) leaks in.
@@ -22,17 +23,21 @@ from .masked import masked_whiten
 
 ADV_ESTIMATORS: dict[str, Callable] = {}
 NEEDS_CRITIC: set[str] = set()
+NEEDS_GROUPS: set[str] = set()
 
 
-def register_adv_estimator(name: str, needs_critic: bool = False):
-    """Decorator: register an advantage estimator under ``name``."""
+def register_adv_estimator(name: str, needs_critic: bool = False, needs_groups: bool = False):
+    """Decorator: register an advantage estimator under ``name``. needs_critic: it reads
+    ``values`` (a critic starts unless critic.enable says otherwise); needs_groups: it compares the
+    responses of a prompt (``index``), so rollout.n must be >= 2."""
 
     def decorator(fn: Callable) -> Callable:
         if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not fn:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADV_ESTIMATORS[name] = fn
-        if needs_critic:
-            NEEDS_CRITIC.add(name)
+        for traits, declared in ((NEEDS_CRITIC, needs_critic), (NEEDS_GROUPS, needs_groups)):
+            if declared:
+                traits.add(name)
         return fn
 
     return decorator
@@ -152,7 +157,7 @@ def _broadcast_over_valid(per_row: torch.Tensor, response_mask: torch.Tensor) ->
     return torch.where(valid, per_token, torch.zeros_like(per_token))
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", needs_groups=True)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -174,7 +179,7 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages.clone()
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", needs_groups=True)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
