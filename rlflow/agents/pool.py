@@ -33,7 +33,8 @@ Each replayed call has a ``timeout_s`` of its own.
 
 The pool's processes reserve no Ray CPU (``num_cpus=0``), like the reward pool's: they never wait
 for, nor hold up, the placement groups of the trainer's workers. They start on the first reset
-(Ray must be running). Not thread-safe: one reset or step at a time.
+(Ray must be running). Not thread-safe: one reset or step at a time. Starting, checking, replacing
+and stopping the processes is ``rlflow.procpool.ProcessPool``'s; a reset or step is a ``Request`` to it.
 """
 
 from __future__ import annotations
@@ -42,16 +43,16 @@ import itertools
 import logging
 import math
 import os
-import pickle
 import sys
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
+import ray
 from omegaconf import OmegaConf
 
 from rlflow.agents import StepResult, load_env_class
+from rlflow.procpool import PoolWorker, ProcessPool, ProcessPoolOwner, Request, Slot, death_detail, error_line
 from rlflow.rewards import _as_number
 
 __all__ = ["EnvError", "EnvOutcome", "EnvPool", "EnvWorker", "LocalEnvPool", "make_env_pool"]
@@ -239,28 +240,22 @@ class LocalEnvPool:
 
 # -- the processes -----------------------------------------------------------------------------------
 
-class EnvWorker:
+class EnvWorker(PoolWorker):
     """One pool process: loads the environment class once, then holds its episodes' environments
     and runs their calls. An environment is dropped when its episode ends (done or failed)."""
 
+    process_name = "environment process"
+    error_type = EnvError
+
     def __init__(self, env_spec: str, env_kwargs: dict, sys_path: list[str], cwd: str):
-        # the environment file imports and opens what it would in the driver
-        sys.path.extend(entry for entry in sys_path if entry not in sys.path)
-        try:
+        super().__init__(sys_path)
+        try:  # the environment file opens what it would in the driver
             os.chdir(cwd)
         except OSError:  # another node without that folder: relative paths are then the env's problem
             pass
         self.env_kwargs = env_kwargs
         self.envs: dict[int, object] = {}
-        self.error = None
-        try:
-            self.cls = load_env_class(env_spec)
-        except Exception as err:  # noqa: BLE001 - re-raised in the driver by EnvPool
-            self.cls, self.error = None, _portable(err)
-
-    def ready(self) -> tuple[int, BaseException | None]:
-        """(pid, the error that loading the environment class raised, or None)."""
-        return os.getpid(), self.error
+        self.cls = self.load(load_env_class, env_spec)
 
     def reset(self, episode: int, row: dict, clear: bool = False) -> _Result:
         """``clear``: first drop every environment (the previous episodes')."""
@@ -273,7 +268,7 @@ class EnvWorker:
         self.envs.pop(episode, None)
         if env is not None:
             self.envs[episode] = env
-        return _sendable(result)
+        return self._sendable(result)
 
     def step(self, episode: int, turn: str) -> _Result:
         env = self.envs.get(episode)
@@ -285,27 +280,12 @@ class EnvWorker:
             result = _raised(err)
         if result.outcome is None or result.outcome.done:
             del self.envs[episode]
-        return _sendable(result)
+        return self._sendable(result)
 
-
-def _portable(err: BaseException) -> BaseException:
-    """The exception as the driver will see it: with the environment process's traceback as a note,
-    or an EnvError with its type and message where the exception does not pickle."""
-    where = f"raised in the environment process (pid {os.getpid()}):\n" + "".join(
-        traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
-    try:
-        pickle.loads(pickle.dumps(err))
-    except Exception:  # noqa: BLE001 - any exception type can fail to pickle
-        err = EnvError(f"{type(err).__name__}: {err}")
-    if hasattr(err, "add_note"):  # python >= 3.11
-        err.add_note(where)
-    return err
-
-
-def _sendable(result: _Result) -> _Result:
-    if result.exc is not None:
-        result.exc = _portable(result.exc)
-    return result
+    def _sendable(self, result: _Result) -> _Result:
+        if result.exc is not None:
+            result.exc = self.portable(result.exc)
+        return result
 
 
 # -- the pool ----------------------------------------------------------------------------------------
@@ -325,21 +305,20 @@ class _Call:
 
 
 @dataclass
-class _Slot:
-    """One process of the pool: starting (``starting``: its ready() call), or running the calls
-    ``sent`` in order (the first is the one running, since ``since`` as the driver knows it).
-    ``queue``: the request's calls waiting to be sent; ``outbox``: the next of them with the replay
-    it needs first; ``present``: the episodes whose environment the process holds; ``alone``: send
-    one call at a time (after a death that did not say which call caused it)."""
+class _Slot(Slot):
+    """A process running the calls ``sent`` in order (the first is the one running, since ``since``
+    as the driver knows it). ``queue``: the request's calls waiting to be sent; ``outbox``: the next
+    of them with the replay it needs first; ``present``: the episodes whose environment the process
+    holds; ``alone``: send one call at a time (after a death that did not say which call caused it)."""
 
-    actor: object = None
-    starting: object = None
-    since: float = 0.0
     queue: deque = field(default_factory=deque)
     outbox: deque = field(default_factory=deque)
     sent: deque = field(default_factory=deque)
     present: set = field(default_factory=set)
     alone: bool = False
+
+    def forget(self) -> None:
+        self.present.clear()  # a new process holds no environment
 
     def first_pos(self) -> float:
         """The position of the first call it has still to finish (inf: none)."""
@@ -347,147 +326,20 @@ class _Slot:
         return calls[0].pos if calls else math.inf
 
 
-@dataclass
-class _Request:
-    """The outcomes of one reset or step, and (on_error=raise) the first error by position."""
+class _Request(Request):
+    """One reset or step: one call per episode, plus the replays its process needs first; the
+    outcomes, and (on_error=raise) the first error by position."""
 
-    outcomes: list
-    stop_at: int  # the first position whose call failed under on_error=raise (len(outcomes): none)
-    error: EnvError | None = None
-    failed: set = field(default_factory=set)  # positions whose call failed: later results are not used
+    def __init__(self, pool: EnvPool, num_calls: int):
+        self.episodes = pool.episodes
+        self.procs = pool.procs
+        self.outcomes: list[EnvOutcome | None] = [None] * num_calls
+        self.stop_at = num_calls  # the first position whose call failed under on_error=raise (num_calls: none)
+        self.error: EnvError | None = None
+        self.failed: set[int] = set()  # positions whose call failed: later results are not used
 
-
-def resolve_spec(env_spec: str) -> str:
-    """The spec with its file made absolute: the processes may start in another folder."""
-    module, sep, name = str(env_spec).rpartition(":")
-    if sep and module.endswith(".py"):
-        return f"{os.path.abspath(module)}:{name}"
-    return str(env_spec)
-
-
-class EnvPool:
-    """The environments of a batch in ``num_workers`` Ray processes, each call bounded by
-    ``timeout_s`` (see the module's docstring). ``close()`` kills the processes."""
-
-    def __init__(self, env_spec: str, env_kwargs: dict, num_workers: int, timeout_s: float, on_error: str,
-                 startup_timeout_s: float = 900.0):
-        load_env_class(env_spec)  # a bad spec fails here, before any process starts
-        if num_workers < 1:
-            raise ValueError(f"rollout.agent.num_workers must be >= 1 for an EnvPool, got {num_workers}")
-        if not 0 < timeout_s < math.inf:
-            raise ValueError(f"rollout.agent.timeout_s must be a number of seconds > 0, got {timeout_s}")
-        self.env_spec = resolve_spec(env_spec)
-        self.env_kwargs = dict(env_kwargs or {})
-        self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
-        self.startup_timeout_s = float(startup_timeout_s)
-        self.episodes = _Episodes(on_error)
-        self.slots: list[_Slot] = []
-        self.num_replaced = 0  # processes killed after a timeout or found dead
-
-    # -- the interface -------------------------------------------------------------------------------
-    def reset(self, rows: list[dict]) -> list[EnvOutcome]:
-        """Starts len(rows) episodes, numbered 0..len(rows)-1; the previous ones are discarded."""
-        while len(self.slots) < self.num_workers:
-            self.slots.append(_Slot())
-            self._start(self.slots[-1])
-        for slot in self.slots:
-            slot.present.clear()
-        self.episodes.start(rows)
-        # each process's first reset clears it (episode i lives in process i % num_workers)
-        return self._run([_Call(i, i, None, None, clear=i < self.num_workers) for i in range(len(rows))])
-
-    def step(self, episodes: list[int], turns: list[str]) -> list[EnvOutcome]:
-        """``env.step(turn)`` for each live episode given, concurrently across the processes."""
-        self.episodes.check_step(episodes, turns)
-        live = self.episodes.live
-        return self._run([_Call(pos, episode, turn, len(live[episode].turns) + 1)
-                          for pos, (episode, turn) in enumerate(zip(episodes, turns))])
-
-    def close(self) -> None:
-        import ray
-
-        for slot in self.slots:
-            try:
-                ray.kill(slot.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead, or Ray already shut down
-                pass
-        self.slots = []
-        self.episodes.live = {}
-
-    # -- processes -----------------------------------------------------------------------------------
-    def _start(self, slot: _Slot) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # next to the driver (soft: elsewhere if this node cannot take it); no CPU reserved
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        sys_path = [entry or os.getcwd() for entry in sys.path]  # "" is the driver's folder
-        slot.actor = ray.remote(EnvWorker).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(
-            self.env_spec, self.env_kwargs, sys_path, os.getcwd())
-        slot.starting, slot.since = slot.actor.ready.remote(), time.monotonic()
-        slot.present.clear()
-
-    def _started(self, slot: _Slot) -> None:
-        import ray
-
-        try:
-            _, error = ray.get(slot.starting)
-        except ray.exceptions.RayActorError as err:
-            raise EnvError(f"an environment process died while loading rollout.agent.env={self.env_spec!r}: "
-                           f"{_death_detail(err)}") from err
-        if error is not None:
-            raise EnvError(f"rollout.agent.env={self.env_spec!r} loads in the driver but not in an environment "
-                           f"process: {type(error).__name__}: {error}") from error
-        slot.starting = None
-
-    def _replace(self, slot: _Slot) -> None:
-        import ray
-
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
-            pass
-        self.num_replaced += 1
-        self._start(slot)
-
-    # -- a request: one call per episode, plus the replays its process needs first -------------------
-    def _run(self, calls: list[_Call]) -> list[EnvOutcome]:
-        import ray
-
-        request = _Request([None] * len(calls), len(calls))
-        for slot in self.slots:
-            slot.alone = False
-        for call in calls:
-            self.slots[call.episode % self.num_workers].queue.append(call)
-        try:
-            while True:
-                for slot in self.slots:
-                    if slot.starting is None:
-                        self._send(slot, request)
-                busy = [slot for slot in self.slots if slot.first_pos() < request.stop_at]
-                if not busy:
-                    break
-                waiting = {(slot.sent[0].ref if slot.starting is None else slot.starting): slot for slot in busy}
-                deadline = min(slot.since + (self.timeout_s if slot.starting is None else self.startup_timeout_s)
-                               for slot in busy)
-                ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                for ref in ready:
-                    slot = waiting[ref]
-                    if slot.starting is not None:
-                        self._started(slot)
-                    else:
-                        self._collect(slot, request)
-                self._stop_overdue(request)
-        except BaseException:
-            self.close()  # no process keeps working on this request (the next reset starts afresh)
-            raise
-        if request.error is not None:
-            self.close()
-            raise request.error
-        return request.outcomes
-
-    def _send(self, slot: _Slot, request: _Request) -> None:
+    # -- the Request -------------------------------------------------------------------------------
+    def send(self, slot: _Slot) -> None:
         """Sends the slot's queue (all of it, or the next call when ``alone``), each episode whose
         environment the process lacks restored first."""
         while slot.queue or slot.outbox:
@@ -496,12 +348,41 @@ class EnvPool:
             if not slot.outbox:
                 slot.outbox.extend(self._with_replay(slot, slot.queue.popleft()))
             call = slot.outbox.popleft()
-            if call.pos in request.failed:  # its replay failed: the rest of it is moot
+            if call.pos in self.failed:  # its replay failed: the rest of it is moot
                 continue
             if not slot.sent:
                 slot.since = time.monotonic()  # an idle process begins the call at once
             self._send_one(slot, call)
 
+    def waits_on(self, slot: _Slot) -> bool:
+        return slot.first_pos() < self.stop_at
+
+    def call(self, slot: _Slot):
+        return slot.sent[0].ref
+
+    def answered(self, slot: _Slot) -> None:
+        """Takes the results that have arrived, in the order the process ran the calls."""
+        window = [call.ref for call in itertools.islice(slot.sent, COLLECT_WINDOW)]
+        arrived = set(ray.wait(window, num_returns=len(window), timeout=0)[0])
+        while slot.sent and slot.sent[0].ref in arrived:
+            call = slot.sent[0]
+            try:
+                result = ray.get(call.ref)
+            except ray.exceptions.RayActorError as err:  # the process died, on this call
+                self._lose(slot, f"killed its process ({death_detail(err)})", died=True)
+                return
+            except Exception as err:  # noqa: BLE001 - e.g. an info Ray cannot send back: this call's error
+                result = _Result(cause=f"gave a result that did not come back: {error_line(err)}")
+                slot.present.discard(call.episode)
+            slot.sent.popleft()
+            slot.since = time.monotonic()  # the next call began when this one ended
+            self._settle(slot, call, result)
+
+    def overdue(self, slot: _Slot) -> None:
+        self._lose(slot, f"did not return within rollout.agent.timeout_s={self.procs.timeout_s:g} s "
+                         f"and was stopped (its process was killed)")
+
+    # -- calls -------------------------------------------------------------------------------------
     def _with_replay(self, slot: _Slot, call: _Call) -> list[_Call]:
         calls = [call]
         if call.turn is not None and call.episode not in slot.present:
@@ -518,62 +399,31 @@ class EnvPool:
             call.ref = slot.actor.step.remote(call.episode, call.turn)
         slot.sent.append(call)
 
-    def _collect(self, slot: _Slot, request: _Request) -> None:
-        """Takes the results that have arrived, in the order the process ran the calls."""
-        import ray
-
-        window = [call.ref for call in itertools.islice(slot.sent, COLLECT_WINDOW)]
-        arrived = set(ray.wait(window, num_returns=len(window), timeout=0)[0])
-        while slot.sent and slot.sent[0].ref in arrived:
-            call = slot.sent[0]
-            try:
-                result = ray.get(call.ref)
-            except ray.exceptions.RayActorError as err:  # the process died, on this call
-                self._lose(slot, request, f"killed its process ({_death_detail(err)})", died=True)
-                return
-            except Exception as err:  # noqa: BLE001 - e.g. an info Ray cannot send back: this call's error
-                first_line = (str(err).strip().splitlines() or [""])[0][:300]
-                result = _Result(cause=f"gave a result that did not come back: {type(err).__name__}: {first_line}")
-                slot.present.discard(call.episode)
-            slot.sent.popleft()
-            slot.since = time.monotonic()  # the next call began when this one ended
-            self._settle(slot, call, result, request)
-
-    def _settle(self, slot: _Slot, call: _Call, result: _Result, request: _Request) -> None:
+    def _settle(self, slot: _Slot, call: _Call, result: _Result) -> None:
         episodes = self.episodes
-        if call.pos in request.failed:
+        if call.pos in self.failed:
             return  # the episode failed earlier in this request (e.g. in its replay)
         if call.replay and result.outcome is not None and result.outcome.done:
             result = _Result(cause="returned done=True, which it did not the first time: environments must be "
                                    "deterministic given (row, turns so far) to be restored")
         if result.outcome is None:
-            request.failed.add(call.pos)
+            self.failed.add(call.pos)
             message = episodes.message(call.episode, call.turn_no, result.cause, call.replay)
             if episodes.on_error == "raise":
-                if call.pos < request.stop_at:  # the first error by position, as LocalEnvPool raises
-                    request.stop_at, request.error = call.pos, EnvError(message)
-                    request.error.__cause__ = result.exc
+                if call.pos < self.stop_at:  # the first error by position, as LocalEnvPool raises
+                    self.stop_at, self.error = call.pos, EnvError(message)
+                    self.error.__cause__ = result.exc
                 return
-            request.outcomes[call.pos] = episodes.failed(message, result.exc)
+            self.outcomes[call.pos] = episodes.failed(message, result.exc)
         elif call.replay:
             return
         else:
-            request.outcomes[call.pos] = result.outcome
-        episodes.took(call.episode, call.turn, request.outcomes[call.pos])
+            self.outcomes[call.pos] = result.outcome
+        episodes.took(call.episode, call.turn, self.outcomes[call.pos])
         if call.episode not in episodes.live:
             slot.present.discard(call.episode)
 
-    def _stop_overdue(self, request: _Request) -> None:
-        now = time.monotonic()
-        for slot in self.slots:
-            if slot.starting is None and slot.sent and now - slot.since >= self.timeout_s:
-                self._lose(slot, request, f"did not return within rollout.agent.timeout_s={self.timeout_s:g} s "
-                                          f"and was stopped (its process was killed)")
-            elif slot.starting is not None and slot.queue and now - slot.since >= self.startup_timeout_s:
-                raise EnvError(f"an environment process did not start within trainer.startup_timeout_s="
-                               f"{self.startup_timeout_s:g} s")
-
-    def _lose(self, slot: _Slot, request: _Request, cause: str, died: bool = False) -> None:
+    def _lose(self, slot: _Slot, cause: str, died: bool = False) -> None:
         """The process is gone (or killed now), and replaced. The call it was running fails with
         ``cause``; the other calls go back to the queue, to run after their episodes' replay.
 
@@ -582,21 +432,88 @@ class EnvPool:
         time (``alone``), which names the culprit when it dies again."""
         exact = not died or len(slot.sent) == 1
         if exact:
-            self._settle(slot, slot.sent.popleft(), _Result(cause=cause), request)
+            self._settle(slot, slot.sent.popleft(), _Result(cause=cause))
         slot.alone = not exact
         unsent = [call for call in slot.outbox if not call.replay]
         pending = [call for call in [*slot.sent, *unsent, *slot.queue]
-                   if not call.replay and call.pos not in request.failed]
+                   if not call.replay and call.pos not in self.failed]
         slot.sent.clear()
         slot.outbox.clear()
         slot.queue = deque(sorted(pending, key=lambda call: call.pos))
-        self._replace(slot)
+        self.procs.replace(slot)
 
 
-def _death_detail(err: Exception) -> str:
-    from rlflow.rewards.pool import _death_detail as reward_death_detail  # the same Ray message parsing
+def resolve_spec(env_spec: str) -> str:
+    """The spec with its file made absolute: the processes may start in another folder."""
+    module, sep, name = str(env_spec).rpartition(":")
+    if sep and module.endswith(".py"):
+        return f"{os.path.abspath(module)}:{name}"
+    return str(env_spec)
 
-    return reward_death_detail(err)
+
+class EnvPool(ProcessPoolOwner):
+    """The environments of a batch in ``num_workers`` Ray processes, each call bounded by
+    ``timeout_s`` (see the module's docstring). ``close()`` kills the processes."""
+
+    def __init__(self, env_spec: str, env_kwargs: dict, num_workers: int, timeout_s: float, on_error: str,
+                 startup_timeout_s: float = 900.0):
+        load_env_class(env_spec)  # a bad spec fails here, before any process starts
+        if num_workers < 1:
+            raise ValueError(f"rollout.agent.num_workers must be >= 1 for an EnvPool, got {num_workers}")
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"rollout.agent.timeout_s must be a number of seconds > 0, got {timeout_s}")
+        self.env_spec = resolve_spec(env_spec)
+        self.env_kwargs = dict(env_kwargs or {})
+        self.episodes = _Episodes(on_error)
+        self.procs = ProcessPool(EnvWorker, self._worker_args, num_workers, timeout_s, startup_timeout_s,
+                                 slot_cls=_Slot, loading=f"rollout.agent.env={self.env_spec!r}",
+                                 load_error=self._load_error)
+        self.num_workers = num_workers
+
+    def _worker_args(self) -> tuple:
+        sys_path = [entry or os.getcwd() for entry in sys.path]  # "" is the driver's folder
+        return self.env_spec, self.env_kwargs, sys_path, os.getcwd()
+
+    def _load_error(self, error: BaseException) -> EnvError:
+        return EnvError(f"rollout.agent.env={self.env_spec!r} loads in the driver but not in an environment "
+                        f"process: {type(error).__name__}: {error}")
+
+    # -- the interface -------------------------------------------------------------------------------
+    def reset(self, rows: list[dict]) -> list[EnvOutcome]:
+        """Starts len(rows) episodes, numbered 0..len(rows)-1; the previous ones are discarded."""
+        self.procs.fill()
+        for slot in self.slots:
+            slot.present.clear()
+        self.episodes.start(rows)
+        # each process's first reset clears it (episode i lives in process i % num_workers)
+        return self._run([_Call(i, i, None, None, clear=i < self.num_workers) for i in range(len(rows))])
+
+    def step(self, episodes: list[int], turns: list[str]) -> list[EnvOutcome]:
+        """``env.step(turn)`` for each live episode given, concurrently across the processes."""
+        self.episodes.check_step(episodes, turns)
+        live = self.episodes.live
+        return self._run([_Call(pos, episode, turn, len(live[episode].turns) + 1)
+                          for pos, (episode, turn) in enumerate(zip(episodes, turns))])
+
+    def close(self) -> None:
+        self.procs.close()
+        self.episodes.live = {}
+
+    def _run(self, calls: list[_Call]) -> list[EnvOutcome]:
+        request = _Request(self, len(calls))
+        for slot in self.slots:
+            slot.alone = False
+        for call in calls:
+            self.slots[call.episode % self.num_workers].queue.append(call)
+        try:
+            self.procs.run(request)
+        except BaseException:
+            self.episodes.live = {}  # run killed the processes, and the episodes went with them
+            raise
+        if request.error is not None:
+            self.close()
+            raise request.error
+        return request.outcomes
 
 
 def make_env_pool(agent_cfg, startup_timeout_s: float = 900.0) -> EnvPool | LocalEnvPool:
