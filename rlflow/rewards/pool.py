@@ -29,21 +29,23 @@ chunk did it: it then reruns the chunk's unscored samples one per call, which na
 Scores equal the serial ``RewardManager``'s: the processes run the same ``evaluate`` and the
 driver the same ``assemble``, in sample order. The pool's processes reserve no Ray CPU
 (``num_cpus=0``): they never wait for, nor hold up, the placement groups of the trainer's workers,
-and they score while those workers wait for the reward.
+and they score while those workers wait for the reward. Starting, checking, replacing and
+stopping the processes is ``rlflow.procpool.ProcessPool``'s; a batch is a ``Request`` to it.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pickle
-import re
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
+import ray
+from ray import cloudpickle
+
+from rlflow.procpool import PoolWorker, ProcessPool, ProcessPoolOwner, Request, Slot, death_detail, error_line
 from rlflow.rewards import Outcome, RewardError, RewardManager, compute_score, evaluate, load_custom_reward_fn
 
 __all__ = ["RewardPool", "RewardWorker", "pickle_reward_fn"]
@@ -53,26 +55,23 @@ __all__ = ["RewardPool", "RewardWorker", "pickle_reward_fn"]
 CHUNK_S = 0.1
 
 
-class RewardWorker:
+def _reward_fn(path: str | None, name: str, fn_bytes: bytes | None):
+    """The function a process scores with: the driver's callable (unpickled once sys.path is the
+    driver's), ``name`` from the reward file, or the built-in compute_score."""
+    if fn_bytes is not None:
+        return cloudpickle.loads(fn_bytes)
+    return load_custom_reward_fn(path, name) if path else compute_score
+
+
+class RewardWorker(PoolWorker):
     """One pool process: loads the reward function once, then scores chunks of samples."""
 
+    process_name = "reward process"
+    error_type = RewardError
+
     def __init__(self, path: str | None, name: str, sys_path: list[str], fn_bytes: bytes | None = None):
-        # the reward file imports what it would import in the driver (e.g. modules next to the script)
-        sys.path.extend(entry for entry in sys_path if entry not in sys.path)
-        self.error = None
-        try:
-            if fn_bytes is not None:  # a callable of the driver's, unpickled once sys.path is the driver's
-                from ray import cloudpickle
-
-                self.fn = cloudpickle.loads(fn_bytes)
-            else:
-                self.fn = load_custom_reward_fn(path, name) if path else compute_score
-        except Exception as err:  # noqa: BLE001 - re-raised in the driver by RewardPool
-            self.fn, self.error = None, _portable(err)
-
-    def ready(self) -> tuple[int, BaseException | None]:
-        """(pid, the error that loading the reward function raised, or None)."""
-        return os.getpid(), self.error
+        super().__init__(sys_path)
+        self.fn = self.load(_reward_fn, path, name, fn_bytes)
 
     def _evaluate(self, item: tuple) -> Outcome:
         try:
@@ -80,7 +79,7 @@ class RewardWorker:
         except BaseException as err:  # noqa: BLE001 - e.g. sys.exit() in the function: that sample's error
             outcome = Outcome("raised", what="reward function failed", detail=f": {type(err).__name__}: {err}", exc=err)
         if outcome.exc is not None:
-            outcome.exc = _portable(outcome.exc)
+            outcome.exc = self.portable(outcome.exc)
         return outcome
 
     def score(self, items: list[tuple], poll_s: float):
@@ -114,24 +113,9 @@ class RewardWorker:
                     named = done
 
 
-def _portable(err: BaseException) -> BaseException:
-    """The exception as the driver will see it: with the reward process's traceback as a note, or
-    a RewardError with its type and message where the exception does not pickle."""
-    where = f"raised in the reward process (pid {os.getpid()}):\n" + "".join(traceback.format_exception(err)).rstrip()
-    try:
-        pickle.loads(pickle.dumps(err))
-    except Exception:  # noqa: BLE001 - any exception type can fail to pickle
-        err = RewardError(f"{type(err).__name__}: {err}")
-    if hasattr(err, "add_note"):  # python >= 3.11
-        err.add_note(where)
-    return err
-
-
 def pickle_reward_fn(fn) -> bytes:
     """``fn`` pickled for the pool's processes (cloudpickle: a function of ``__main__``, e.g. a
     notebook's, a lambda or a closure goes by value), or a TypeError naming reward_fn."""
-    from ray import cloudpickle
-
     try:
         return cloudpickle.dumps(fn)
     except Exception as err:  # noqa: BLE001 - TypeError, PicklingError, ... from what it captures
@@ -144,54 +128,107 @@ def pickle_reward_fn(fn) -> bytes:
 
 
 @dataclass
-class _Slot:
-    """One process of the pool and what it is doing: starting (``starting``: its ready() call),
-    scoring a chunk (``stream``; ``todo``: the chunk's samples not scored yet) or idle.
-    ``since``: when the driver last heard of it (the clock of todo[0]); ``named``: whether todo[0]
-    is known to be the sample running (named by the process, or alone in its chunk)."""
+class _Slot(Slot):
+    """A process scoring a chunk (``stream``; ``todo``: the chunk's samples not scored yet) or idle.
+    ``since`` is the clock of todo[0]; ``named``: whether todo[0] is known to be the sample running
+    (named by the process, or alone in its chunk)."""
 
-    actor: object = None
-    starting: object = None
     stream: object = None
     todo: list[int] = field(default_factory=list)
-    since: float = 0.0
     named: bool = False
     sent_at: float = 0.0  # when the chunk was sent, and its size: how long samples take
     size: int = 0
 
+    def forget(self) -> None:
+        self.stream, self.todo, self.named = None, [], False
 
-@dataclass
-class _Batch:
-    items: list[tuple]
-    outcomes: list
-    queue: list[int]  # sample indices waiting for a process, ascending
-    stop_at: int  # the first sample whose outcome stops the batch (len(items): none yet)
-    alone: set[int] = field(default_factory=set)  # samples to score one per call (to name a culprit)
-    timed: list[float] = field(default_factory=lambda: [0.0, 0])  # seconds and samples of whole chunks
 
-    def record(self, index: int, outcome: Outcome, stops: bool) -> None:
+class _Batch(Request):
+    """One batch's samples, handed out in chunks to the pool's processes."""
+
+    def __init__(self, pool: RewardPool, items: list[tuple], chunk_size: int):
+        self.pool = pool
+        self.items = items
+        self.chunk_size = chunk_size
+        self.outcomes: list[Outcome | None] = [None] * len(items)
+        self.queue = list(range(len(items)))  # sample indices waiting for a process, ascending
+        self.stop_at = len(items)  # the first sample whose outcome stops the batch (len(items): none yet)
+        self.alone: set[int] = set()  # samples to score one per call (to name a culprit)
+        self.timed = [0.0, 0]  # seconds and samples of whole chunks
+
+    def record(self, index: int, outcome: Outcome) -> None:
         self.outcomes[index] = outcome
-        if stops:
+        if self.pool.stops(outcome):
             self.stop_at = min(self.stop_at, index)
 
     def has_work(self) -> bool:
         return bool(self.queue) and self.queue[0] < self.stop_at
 
-    def needs(self, slot: _Slot) -> bool:
-        """Whether the slot is scoring a sample this batch still needs."""
-        return slot.stream is not None and slot.todo[0] < self.stop_at
-
-    def take(self, size: int) -> list[int]:
-        """The next chunk: up to ``size`` samples from the front of the queue, or one to score alone."""
+    def take(self) -> list[int]:
+        """The next chunk: up to chunk_size samples from the front of the queue, or one to score alone."""
         if self.queue[0] in self.alone:
             return [self.queue.pop(0)]
         chunk = []
-        while self.queue and len(chunk) < size and self.queue[0] < self.stop_at and self.queue[0] not in self.alone:
+        while (self.queue and len(chunk) < self.chunk_size and self.queue[0] < self.stop_at
+               and self.queue[0] not in self.alone):
             chunk.append(self.queue.pop(0))
         return chunk
 
+    # -- the Request -------------------------------------------------------------------------------
+    def send(self, slot: _Slot) -> None:
+        if slot.stream is None and self.has_work():
+            slot.todo = self.take()
+            slot.stream = slot.actor.score.options(num_returns="streaming").remote(
+                [self.items[i] for i in slot.todo], self.pool.poll_s)
+            slot.since, slot.named = time.monotonic(), len(slot.todo) == 1
+            slot.sent_at, slot.size = slot.since, len(slot.todo)
 
-class RewardPool(RewardManager):
+    def waits_on(self, slot: _Slot) -> bool:
+        """A process scoring a sample the batch still needs, or one starting while samples wait."""
+        if slot.starting is not None:
+            return self.has_work()
+        return slot.stream is not None and slot.todo[0] < self.stop_at
+
+    def call(self, slot: _Slot):
+        return slot.stream
+
+    def answered(self, slot: _Slot) -> None:
+        try:
+            outcomes, running = ray.get(next(slot.stream))
+        except StopIteration:  # not expected: a chunk ends with its last outcomes
+            slot.stream = None
+            return
+        except ray.exceptions.RayActorError as err:  # the process died, on the sample it was on
+            self._lose(slot, Outcome("died", what="the reward process died", detail=f": {death_detail(err)}"))
+            return
+        except Exception as err:  # noqa: BLE001 - the stream itself failed: the same, with Ray's error
+            self._lose(slot, Outcome("died", what="the reward process failed", detail=f": {error_line(err)}"))
+            return
+        for outcome in outcomes:
+            self.record(slot.todo.pop(0), outcome)
+        slot.since, slot.named = time.monotonic(), running or len(slot.todo) == 1
+        if not slot.todo:
+            slot.stream = None  # idle: the generator has nothing left to yield
+            self.timed[0] += slot.since - slot.sent_at
+            self.timed[1] += slot.size
+
+    def overdue(self, slot: _Slot) -> None:
+        self._lose(slot, Outcome(
+            "timeout", what=f"reward function did not return within reward.timeout_s={self.pool.timeout_s:g} s",
+            detail=" and was stopped (its reward process was killed)"))
+
+    def _lose(self, slot: _Slot, outcome: Outcome) -> None:
+        """The process is replaced. Where it had named the sample it was on, that sample gets
+        ``outcome``; otherwise the chunk's unscored samples are rerun one per call, to name it."""
+        if slot.named:
+            self.record(slot.todo.pop(0), outcome)
+        else:
+            self.alone.update(slot.todo)
+        self.queue = sorted(self.queue + slot.todo)
+        self.pool.procs.replace(slot)
+
+
+class RewardPool(RewardManager, ProcessPoolOwner):
     """Scores batches in ``num_workers`` Ray processes that load ``name`` from the reward file
     at ``path`` (None: the built-in ``compute_score``), or that run ``fn``, a Python callable
     pickled to them (it replaces ``path``); each sample may run ``timeout_s`` seconds.
@@ -205,53 +242,15 @@ class RewardPool(RewardManager):
         super().__init__(None, on_error, max_logged_errors)
         self.fn_bytes = None if fn is None else pickle_reward_fn(fn)
         self.fn_name = None if fn is None else getattr(fn, "__qualname__", repr(fn))
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not 0 < timeout_s < math.inf:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.path = os.path.abspath(os.fspath(path)) if path else None
         self.name = name
-        self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
+        self.procs = ProcessPool(RewardWorker, self._worker_args, num_workers, timeout_s, startup_timeout_s,
+                                 slot_cls=_Slot, loading=f"the reward function ({self._source()})")
         self.poll_s = min(0.05, self.timeout_s / 4)  # how often a busy process reports
-        self.startup_timeout_s = float(startup_timeout_s)
-        self.slots: list[_Slot] = []
-        self.num_replaced = 0  # processes killed after a timeout or found dead
         self.sample_s: float | None = None  # seconds per sample in the last batch's whole chunks
 
-    # -- processes ---------------------------------------------------------------------------------
-    def _start(self, slot: _Slot) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # next to the driver (soft: elsewhere if this node cannot take it); no CPU reserved
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        actor = ray.remote(RewardWorker).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(
-            self.path, self.name, list(sys.path), self.fn_bytes)
-        slot.actor, slot.starting, slot.stream, slot.todo = actor, actor.ready.remote(), None, []
-        slot.since, slot.named = time.monotonic(), False
-
-    def _replace(self, slot: _Slot) -> None:
-        import ray
-
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
-            pass
-        self.num_replaced += 1
-        self._start(slot)
-
-    def _started(self, slot: _Slot) -> None:
-        import ray
-
-        try:
-            _, error = ray.get(slot.starting)
-        except ray.exceptions.RayActorError as err:
-            raise RewardError(f"a reward process died while loading the reward function "
-                              f"({self._source()}): {_death_detail(err)}") from err
-        if error is not None:
-            raise error  # the error the driver's own load gives, e.g. FileNotFoundError naming the file
-        slot.starting = None
+    def _worker_args(self) -> tuple:
+        return self.path, self.name, list(sys.path), self.fn_bytes
 
     def _source(self) -> str:
         if self.fn_bytes is not None:
@@ -259,117 +258,22 @@ class RewardPool(RewardManager):
         return self.path or "built-in compute_score"
 
     def close(self) -> None:
-        import ray
+        self.procs.close()
 
-        for slot in self.slots:
-            try:
-                ray.kill(slot.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead, or Ray already shut down
-                pass
-        self.slots = []
-
-    # -- a batch -----------------------------------------------------------------------------------
     def outcomes(self, items: list[tuple]) -> list[Outcome | None]:
         """The outcome of every sample up to the first that stops the batch (None after it)."""
-        import ray
-
-        n = len(items)
-        batch = _Batch(items, [None] * n, list(range(n)), n)
-        share = math.ceil(n / self.num_workers)
-        if self.sample_s is None:  # nothing timed yet: two chunks per process
-            chunk_size = max(1, math.ceil(share / 2))
-        else:
-            chunk_size = max(1, min(share, int(CHUNK_S / max(self.sample_s, 1e-9))))
-        while len(self.slots) < self.num_workers:
-            self.slots.append(_Slot())
-            self._start(self.slots[-1])
-        try:
-            while True:
-                for slot in self.slots:  # chunks to the idle processes
-                    if slot.starting is None and slot.stream is None and batch.has_work():
-                        slot.todo = batch.take(chunk_size)
-                        slot.stream = slot.actor.score.options(num_returns="streaming").remote(
-                            [items[i] for i in slot.todo], self.poll_s)
-                        slot.since, slot.named = time.monotonic(), len(slot.todo) == 1
-                        slot.sent_at, slot.size = slot.since, len(slot.todo)
-                busy = [slot for slot in self.slots if batch.needs(slot)]
-                if not busy and not batch.has_work():
-                    break
-                starting = [slot for slot in self.slots if slot.starting is not None]
-                waiting = {**{slot.stream: slot for slot in busy}, **{slot.starting: slot for slot in starting}}
-                deadline = min([slot.since + self.timeout_s for slot in busy]
-                               + [slot.since + self.startup_timeout_s for slot in starting])
-                ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                for ref in ready:
-                    slot = waiting[ref]
-                    if slot.starting is not None:
-                        self._started(slot)
-                    else:
-                        self._next_message(slot, batch)
-                self._stop_overdue(batch)
-        except BaseException:
-            self.close()  # no process keeps working on this batch (the next one starts afresh)
-            raise
+        batch = _Batch(self, items, self._chunk_size(len(items)))
+        self.procs.fill()
+        self.procs.run(batch)
         for slot in self.slots:  # still on samples after the one that stops the batch: not needed
             if slot.stream is not None:
-                self._replace(slot)
+                self.procs.replace(slot)
         if batch.timed[1]:
             self.sample_s = batch.timed[0] / batch.timed[1]
         return batch.outcomes
 
-    def _next_message(self, slot: _Slot, batch: _Batch) -> None:
-        import ray
-
-        try:
-            outcomes, running = ray.get(next(slot.stream))
-        except StopIteration:  # not expected: a chunk ends with its last outcomes
-            slot.stream = None
-            return
-        except ray.exceptions.RayActorError as err:  # the process died, on the sample it was on
-            self._lose(slot, batch, Outcome("died", what="the reward process died", detail=f": {_death_detail(err)}"))
-            return
-        except Exception as err:  # noqa: BLE001 - the stream itself failed: the same, with Ray's error
-            first_line = (str(err).strip().splitlines() or [""])[0][:300]
-            self._lose(slot, batch, Outcome("died", what="the reward process failed",
-                                            detail=f": {type(err).__name__}: {first_line}"))
-            return
-        for outcome in outcomes:
-            batch.record(slot.todo.pop(0), outcome, self.stops(outcome))
-        slot.since, slot.named = time.monotonic(), running or len(slot.todo) == 1
-        if not slot.todo:
-            slot.stream = None  # idle: the generator has nothing left to yield
-            batch.timed[0] += slot.since - slot.sent_at
-            batch.timed[1] += slot.size
-
-    def _stop_overdue(self, batch: _Batch) -> None:
-        now = time.monotonic()
-        for slot in self.slots:
-            if batch.needs(slot) and now - slot.since >= self.timeout_s:
-                self._lose(slot, batch, Outcome(
-                    "timeout", what=f"reward function did not return within reward.timeout_s={self.timeout_s:g} s",
-                    detail=" and was stopped (its reward process was killed)"))
-            elif slot.starting is not None and now - slot.since >= self.startup_timeout_s:
-                raise RewardError(f"a reward process did not start within trainer.startup_timeout_s="
-                                  f"{self.startup_timeout_s:g} s")
-
-    def _lose(self, slot: _Slot, batch: _Batch, outcome: Outcome) -> None:
-        """The process is replaced. Where it had named the sample it was on, that sample gets
-        ``outcome``; otherwise the chunk's unscored samples are rerun one per call, to name it."""
-        if slot.named:
-            batch.record(slot.todo.pop(0), outcome, self.stops(outcome))
-        else:
-            batch.alone.update(slot.todo)
-        batch.queue = sorted(batch.queue + slot.todo)
-        self._replace(slot)
-
-
-def _death_detail(err: Exception) -> str:
-    """What Ray knows of a dead process, in a line: its exit code when it reports one."""
-    text = " ".join(str(err).split())
-    code = re.search(r"exits with an exit code (-?\d+)", text)
-    if code:
-        return f"exit code {code.group(1)}"
-    if "killed by `ray.kill`" in text:
-        return "killed by ray.kill"
-    detail = re.search(r"Worker exit detail: (.*?\.)", text)
-    return f"exit code unknown; Ray: {detail.group(1) if detail else text[:200]}"
+    def _chunk_size(self, num_samples: int) -> int:
+        share = math.ceil(num_samples / self.procs.num_workers)
+        if self.sample_s is None:  # nothing timed yet: two chunks per process
+            return max(1, math.ceil(share / 2))
+        return max(1, min(share, int(CHUNK_S / max(self.sample_s, 1e-9))))
