@@ -4,7 +4,9 @@ Packing (`<role>.use_remove_padding`): the valid tokens of a micro-batch's rows 
 into one row; position ids restart per sequence (each row keeps its own), and attention runs per
 sequence through `cu_seq_lens` (the boundaries of the sequences in the packed row), so it never
 crosses a sequence boundary. The attention is `varlen_attention`, registered with transformers'
-attention interface under ATTENTION_NAME: the model code is transformers' own.
+attention interface under ATTENTION_NAME: the model code is transformers' own. It runs flash-attn's
+varlen kernel where flash-attn is installed (CUDA, half precision), else torch's sdpa once per
+sequence (CPU): the work of the unpadded sequences, without a mask of the row's length squared.
 
 Sequence parallelism (`<role>.sp_size` > 1): the packed row is cut into sp equal slices (padded to
 a multiple of sp); each rank of an sp group runs embeddings, MLPs and norms on its slice, and
@@ -20,6 +22,7 @@ is the whole mini-batch's, whatever dp and sp are.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -134,7 +137,7 @@ def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Causal attention within each packed sequence ([1, heads, L, D] inputs; `cu_seq_lens_q` the
     sequences' boundaries in the whole packed row). Under sequence parallelism (`sequence_parallel`,
-    an SequenceParallel of size > 1) the inputs hold this rank's slice of the row, and heads are
+    a SequenceParallel of size > 1) the inputs hold this rank's slice of the row, and heads are
     exchanged for tokens around the attention. Returns [1, L, heads, D] as transformers expects."""
     boundaries = kwargs.get("cu_seq_lens_q")
     if boundaries is None or attention_mask is not None:
@@ -145,18 +148,40 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         if kv_heads % sp.size:  # the key/value heads cannot be split like the query heads: repeat them
             key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
         query, key, value = (_heads_to_sequence(t, sp) for t in (query, key, value))
-    key = _repeat_heads(key, query.shape[1] // key.shape[1])
-    value = _repeat_heads(value, query.shape[1] // value.shape[1])
-    bounds = boundaries.tolist()
-    outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            outputs.append(torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling))
-    out = torch.cat(outputs, dim=2)
+    flash = _flash_varlen()
+    if flash is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        max_length = int(kwargs.get("max_length_q") or (boundaries[1:] - boundaries[:-1]).max())
+        # flash-attn's varlen kernel: [tokens, heads, dim], grouped-query heads as they are
+        out = flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), boundaries,
+                    boundaries, max_length, max_length, softmax_scale=scaling, causal=True)
+        out = out.transpose(0, 1).unsqueeze(0)
+    else:
+        out = _sdpa_per_sequence(query, key, value, boundaries, scaling)
     if sp.size > 1:
         out = _sequence_to_heads(out, heads, sp)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_per_sequence(query, key, value, boundaries: torch.Tensor, scaling) -> torch.Tensor:
+    """Causal sdpa over each packed sequence in turn: the work of the unpadded sequences, no mask
+    of the whole row's length squared."""
+    key = _repeat_heads(key, query.shape[1] // key.shape[1])
+    value = _repeat_heads(value, query.shape[1] // value.shape[1])
+    bounds = boundaries.tolist()
+    outputs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling)
+        for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    return torch.cat(outputs, dim=2)
+
+
+@functools.cache
+def _flash_varlen():
+    """flash-attn's flash_attn_varlen_func where the package is installed (CUDA), else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
 
 
 def _no_mask(*args, **kwargs):
