@@ -110,6 +110,9 @@ TASK_SFT_DEFAULTS: dict[str, dict] = {
     # ~500, but the first digit of the direct answer only outweighs "@" (30%) later; before that,
     # greedy decoding calls the tool on most prompts and there is little left for RL to improve
     "calc": {"correct_frac": 0.3, "steps": 800},
+    # ~2300-token rows: a short warm start of few rows (the recipe shows the sequence axis at
+    # length; the model learns the answer's length and digit counts, not sorting)
+    "sort_long": {"steps": 40, "batch_size": 4, "num_rows": 256, "warmup_steps": 5},
 }
 
 

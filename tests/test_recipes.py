@@ -139,3 +139,27 @@ def test_calculator_agent_recipe_runs_two_steps(ray_session, tiny_model_dir, tmp
     assert cfg.rollout.agent.env == "rlflow.agents.calculator:CalculatorEnv" and cfg.data.synthetic_task == "calc"
     history = RLFlow(cfg).fit()
     assert [h["step"] for h in history] == [1, 2] and all(h["agent/turns_mean"] >= 1 for h in history)
+
+
+LONG = REPO / "configs" / "long_sequences.yaml"
+
+
+def test_long_sequence_recipe_runs_one_step(ray_session, tiny_model_dir, tmp_path):
+    """The recipe's layout (packed micro-batches split over sp=2 ranks, a token budget, gradient
+    checkpointing, for the actor, the critic and the reference) on the random tiny model, whose
+    sampled responses run long; at test sizes, on the short sort task (the warm-started sort_long
+    model takes minutes)."""
+    from rlflow import RLFlow
+
+    assert load_config(LONG).data.synthetic_task == "sort_long"
+    cfg = load_config(LONG, [f"actor.model.path={tiny_model_dir}", "data.synthetic_task=sort", "data.max_prompt_length=48",
+                             "data.max_response_length=96", "actor.ppo_max_token_len_per_gpu=128",
+                             "actor.use_kl_loss=true", "trainer.total_steps=1", "trainer.test_freq=0",
+                             "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+                             f"trainer.default_local_dir={tmp_path}"])
+    for role in ("actor", "critic", "reference"):
+        assert cfg[role].sp_size == 2 and cfg[role].use_remove_padding, role
+    assert cfg.actor.use_dynamic_bsz and cfg.actor.model.gradient_checkpointing and cfg.critic.model.gradient_checkpointing
+    history = RLFlow(cfg).fit()
+    assert [h["step"] for h in history] == [1]
+    assert history[0]["response/length_mean"] > 10 and history[0]["actor/num_micro_batches"] >= 2

@@ -150,6 +150,18 @@ register_task(
     )
 )
 
+register_task(
+    SyntheticTask(
+        name="sort_long",
+        ability="string",
+        generate=_gen_sort,
+        defaults={"min_len": 1024, "max_len": 1280},
+        alphabet="0123456789:",
+        description="sort with 1024-1280 digits: responses of 1024+ tokens, for the long-sequence "
+        "recipe (configs/long_sequences.yaml: packing and sequence parallelism)",
+        distractor=lambda prompt, answer: answer[::-1],
+    )
+)
 
 from rlflow.data import word_problems as _word_problems  # noqa: E402 (plain module, no cycle)
 
