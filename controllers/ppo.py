@@ -28,6 +28,7 @@ from controllers.rollout_source import RolloutQueue
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
 from rlflow.config import RLFlowConfig, config_to_dict, micro_batch_token_budget, to_dataclass
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
+from rlflow.plugins import import_modules
 from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, grouped_by_prompt,
                              common_micro_batch_count, pad_rows, row_token_counts, split_dp)
 
@@ -122,6 +123,7 @@ class PPOTrainer:
     def __init__(self, config, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None, *,
                  train_dataset=None, val_dataset=None, reward_fn=None):
         self.cfg: RLFlowConfig = to_dataclass(config)
+        import_modules(self.cfg.trainer.imports)  # a config that skipped load_config (done there otherwise)
         self.roles = resolve_roles(roles, worker_classes)
         # in-memory data and reward (RLFlow's docstring): checked here, before anything starts
         from rlflow.data.dataset import rows_from

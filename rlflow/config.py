@@ -19,8 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, NEEDS_GROUPS, POLICY_LOSSES  # torch-only
 from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, estimator_inputs, option_names
 from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
+from rlflow.plugins import ENGINE_MODULES, absolute_specs, import_modules
 
-ROLLOUT_NAMES = ("hf", "vllm", "auto")
 WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 STRATEGIES = ("fsdp2", "ddp")
@@ -381,6 +381,10 @@ class TrainerConfig:
     # resident set; CUDA: torch's allocated), a few Ray calls per phase
     memory_metrics: bool = False
     grad_probes: GradProbeConfig = field(default_factory=GradProbeConfig)
+    # modules imported on the driver (before validation) and first in every role's worker process,
+    # where user code registers its own losses, estimators, engines (rlflow/plugins.py): file.py
+    # paths or dotted module names
+    imports: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -509,8 +513,9 @@ def config_to_dict(cfg: DictConfig | RLFlowConfig) -> dict:
 
 
 def resolve_config(cfg: DictConfig) -> DictConfig:
-    """Fill inherited values, then validate. Returns a new DictConfig."""
+    """Import trainer.imports, fill inherited values, then validate. Returns a new DictConfig."""
     cfg = cfg.copy()
+    _import_user_modules(cfg)  # first: what they register decides defaults (critic.enable) and validity
     actor, critic, data = cfg.actor, cfg.critic, cfg.data
     if actor.loss_scale_factor is None:
         actor.loss_scale_factor = float(data.max_response_length)
@@ -540,6 +545,14 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
 def _need(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _import_user_modules(cfg: DictConfig) -> None:
+    cfg.trainer.imports = absolute_specs(cfg.trainer.imports)
+    try:
+        import_modules(cfg.trainer.imports)
+    except ImportError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int, cfg: DictConfig) -> None:
@@ -739,8 +752,9 @@ def validate_config(cfg: DictConfig) -> None:
           f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
     _need(algo.kl_ctrl.type in ("fixed", "adaptive"),
           f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is not one of fixed, adaptive")
-    _need(rollout.name in ROLLOUT_NAMES or ":" in rollout.name,
-          f"rollout.name={rollout.name!r} is not one of {', '.join(ROLLOUT_NAMES)} (or <module>:<RolloutEngine subclass>)")
+    _need(rollout.name in ENGINE_MODULES or rollout.name == "auto" or ":" in rollout.name,
+          f"rollout.name={rollout.name!r} is not one of auto, {', '.join(sorted(ENGINE_MODULES))} (or "
+          "<module>:<RolloutEngine subclass>, or an engine registered by a module of trainer.imports)")
     _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
     _need(rollout.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {rollout.tensor_parallel_size}")
     _need(rollout.tensor_parallel_size == 1 or rollout.name != "hf",

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.config import RLFlowConfig, packs_sequences
+from rlflow.plugins import import_modules
 from workers.sequence import NO_SEQUENCE_PARALLEL, PADDED, SequenceLayout, sequence_parallel_groups, use_packed_attention
 
 
@@ -161,6 +162,8 @@ class WorkerBase:
     layout = PADDED  # set by init_model from sequence_layout (workers/sequence.py)
 
     def __init__(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1):
+        # first: the user's modules register the losses, engines, ... this worker builds by name
+        import_modules(cfg.trainer.imports)
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size

@@ -4,8 +4,9 @@ An engine turns prompts into token ids (and the log-prob of each sampled token u
 distribution it was sampled from: temperature, top-k, top-p applied) and takes the actor's
 weights. Everything else — the response-mask rule, padding, the batch keys — is
 `rlflow.protocol.assemble_rollout`, shared by every engine. A new engine is a subclass with
-`generate_ids`, `load_weights` and `from_config`, registered with `@register_engine(name)` and
-chosen with `rollout.name=<name>` (or `rollout.name=<module>:<Class>` for one outside rlflow).
+`generate_ids`, `load_weights` and `from_config`, registered with `@register_engine(name)` (one
+outside rlflow: in a module of `trainer.imports`, rlflow/plugins.py) and chosen with
+`rollout.name=<name>` (or `rollout.name=<module>:<Class>`).
 An engine that can free its memory while the trainers update (`sleep` / `wake_up`) overrides
 `_release_memory`, `_restore_memory` and `frees_memory_when_sleeping`.
 """
@@ -17,11 +18,10 @@ import importlib
 import torch
 from tensordict import TensorDict
 
+from rlflow.plugins import ENGINE_MODULES
 from rlflow.protocol import assemble_rollout
 
 ENGINES: dict[str, type["RolloutEngine"]] = {}
-# the built-in engines' modules, imported on first use (vllm is optional)
-_BUILTIN_MODULES = {"hf": "workers.rollout.hf", "vllm": "workers.rollout.vllm"}
 
 
 def register_engine(name: str):
@@ -31,6 +31,7 @@ def register_engine(name: str):
         if ENGINES.get(name, cls) is not cls:
             raise ValueError(f"rollout engine {name!r} is already registered")
         ENGINES[name] = cls
+        ENGINE_MODULES[name] = cls.__module__  # what config validation reads (it cannot import workers)
         cls.name = name
         return cls
 
@@ -45,10 +46,10 @@ def get_engine(name: str) -> type["RolloutEngine"]:
         if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
             raise TypeError(f"rollout.name={name!r} is not a workers.rollout.engine.RolloutEngine subclass")
         return cls
-    if name not in ENGINES and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in ENGINES and name in ENGINE_MODULES:
+        importlib.import_module(ENGINE_MODULES[name])
     if name not in ENGINES:
-        raise ValueError(f"rollout.name={name!r}: no such engine; registered: {', '.join(sorted(set(ENGINES) | set(_BUILTIN_MODULES)))}")
+        raise ValueError(f"rollout.name={name!r}: no such engine; registered: {', '.join(sorted(ENGINE_MODULES))}")
     return ENGINES[name]
 
 

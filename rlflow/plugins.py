@@ -1,0 +1,82 @@
+"""User code that extends rlflow: the modules of `trainer.imports`, and the rollout engines' names.
+
+`trainer.imports` lists modules that register losses, estimators, engines, ... (`@register_*`).
+`import_modules` imports them on the driver (before the config is validated: rlflow.config) and in
+every role's worker process (workers/base.py, before the worker builds anything), so a name
+registered there can be used in the config from the CLI and reaches the processes that build the
+pieces. (The reward and environment pools' processes load their own files, reward.custom_function
+and rollout.agent.env, and read no registry.) An entry ending in `.py` is a file (made absolute on
+the driver, so it must exist at that path on every node); anything else is a dotted module name,
+imported with the current directory on sys.path (Ray's workers have the driver's) or installed.
+
+ENGINE_MODULES is validation's view of the engine registry (workers/rollout/engine.py), which
+rlflow cannot import (layers: controllers -> workers -> rlflow): the built-in engines' names, and
+each `@register_engine` adds its own. Standard library only, so anything may import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+IMPORTS_KEY = "trainer.imports"
+
+# {engine name: the module that registers it}; the built-ins are imported on first use (vllm is optional)
+ENGINE_MODULES: dict[str, str] = {"hf": "workers.rollout.hf", "vllm": "workers.rollout.vllm"}
+
+# the files imported in this process, by absolute path: a second import would register twice
+_FILES: dict[str, ModuleType] = {}
+
+
+def is_file_spec(spec: str) -> bool:
+    return str(spec).endswith(".py")
+
+
+def absolute_specs(specs) -> list[str]:
+    """File entries made absolute (the workers' working directory is not the driver's)."""
+    return [os.path.abspath(s) if is_file_spec(s) else str(s) for s in specs or ()]
+
+
+def import_modules(specs) -> list[ModuleType]:
+    """Import each entry of trainer.imports once per process; an ImportError names the key and entry."""
+    return [_import_file(s) if is_file_spec(s) else _import_dotted(s) for s in specs or ()]
+
+
+def _import_dotted(name: str) -> ModuleType:
+    if not name or name.startswith(".") or not all(part.isidentifier() for part in name.split(".")):
+        raise ImportError(f"{IMPORTS_KEY}: {name!r} is neither a file.py nor a dotted module name")
+    if name in sys.modules:
+        return sys.modules[name]
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # `rlflow` (a console script) runs without it
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(name)
+    except Exception as err:
+        raise ImportError(f"{IMPORTS_KEY}: cannot import {name!r}: {type(err).__name__}: {err}") from err
+
+
+def _import_file(path: str) -> ModuleType:
+    path = os.path.abspath(path)
+    if path in _FILES:
+        return _FILES[path]
+    if not os.path.isfile(path):
+        raise ImportError(f"{IMPORTS_KEY}: no file {path}")
+    name = "rlflow_imports_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # in sys.modules only while it runs (dataclasses need it); left out afterwards, so cloudpickle
+    # ships what the file defines by value to processes that cannot import it by that name
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ImportError(f"{IMPORTS_KEY}: {path} failed to import: {type(err).__name__}: {err}") from err
+    finally:
+        sys.modules.pop(name, None)
+    _FILES[path] = module
+    return module
