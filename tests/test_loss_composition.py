@@ -5,11 +5,11 @@ In process, without Ray: an ActorWorker / CriticWorker (rank 0 of 1) loads the t
 then converted to float64, and `micro_loss` runs on one random micro-batch whose BatchMeta belongs to
 a BIGGER mini-batch (more tokens and sequences than the micro-batch holds, loss_scale_factor 5 while
 the config's is data.max_response_length), so what is checked is the global normalisation of the
-contract in DESIGN.md, not the micro-batch's own counts. The independent side runs the same weights
-(loaded separately with transformers, or a copy taken before any step) over the FULL input_ids, with
-no trimming of padding columns, and writes every policy loss, aggregation mode, KL estimator, the
-entropy bonus and the clipped value loss out by hand. Loss values, the gradient of every parameter
-and every metric the worker reports (value and declared aggregation) must agree. The rollout
+contract in docs/CONVENTIONS.md, not the micro-batch's own counts. The independent side runs the
+same weights (loaded separately with transformers, or a copy taken before any step) over the FULL
+input_ids, with no trimming of padding columns, and writes every policy loss, aggregation mode, KL
+estimator, the entropy bonus and the clipped value loss out by hand. Loss values, the gradient of
+every parameter and every metric the worker reports (value and declared aggregation) must agree. The rollout
 correction (algorithm.rollout_correction, rlflow/algos/rollout_correction.py) is checked the same way:
 its importance weights and rollout_corr/* metrics are written out here from the micro-batch's
 rollout_log_probs and old_log_probs.
@@ -299,7 +299,7 @@ def actor_batch(reference_lm):
 
 
 def aggregate(per_token, mask, mode, meta: BatchMeta, *, own_token_count=False):
-    """The contract of DESIGN.md, written out. own_token_count: the bug (local normalisation)."""
+    """The contract of docs/CONVENTIONS.md, written out. own_token_count: the bug (local normalisation)."""
     valid = mask != 0
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     if mode == "token-mean":

@@ -1,9 +1,9 @@
 """Loss aggregation and the loss terms: policy losses, value loss, entropy bonus, KL in the loss.
 
-The normalisation contract (docs: DESIGN.md): every micro-batch loss is normalised by counts of the
-WHOLE mini-batch (``batch_num_tokens``, ``global_batch_size``) and multiplied by ``dp_size``, so
-that summing micro-batch gradients on a rank and then averaging over ranks (what DDP/FSDP do) gives
-exactly the gradient of the whole mini-batch computed in one piece.
+The normalisation contract (docs/CONVENTIONS.md, "Loss normalisation"): every micro-batch loss is
+normalised by counts of the WHOLE mini-batch (``batch_num_tokens``, ``global_batch_size``) and
+multiplied by ``dp_size``, so that summing micro-batch gradients on a rank and then averaging over
+ranks (what DDP/FSDP do) gives exactly the gradient of the whole mini-batch computed in one piece.
 
 The term contract: a loss term is ``fn(batch, meta, options) -> (loss, metrics)``.
 - ``batch``: a mapping of the micro-batch's tensors (a TensorDict works): the keys of

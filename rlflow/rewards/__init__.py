@@ -65,7 +65,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
         f"no built-in reward function for data_source {data_source!r}; known: "
         f"{', '.join(known_data_sources())}. For other data, write a python file with "
         f"compute_score(data_source, solution_str, ground_truth, extra_info=None) and point "
-        f"custom_reward_function.path (and .name) at it"
+        f"reward.custom_function.path (and .name) at it"
     )
 
 
