@@ -1,7 +1,7 @@
 """The reward-model role: a sequence classifier scores decoded responses with its own tokenizer and
 chat template, and its scores equal a direct HF forward of the same text; a run's scores are
 reward.rule_weight * rule + reward_model.weight * model. The tiny reward model is built locally
-(rlflow/tiny_reward_model.py)."""
+(tests/tiny_reward_model.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ TASK = "reverse"
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory) -> str:
-    from rlflow.tiny_reward_model import build_tiny_reward_model
+    from tiny_reward_model import build_tiny_reward_model
 
     return build_tiny_reward_model(tmp_path_factory.mktemp("tiny_reward_model"))
 
