@@ -14,6 +14,7 @@ task kwargs).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass
@@ -151,15 +152,12 @@ register_task(
 )
 
 register_task(
-    SyntheticTask(
+    dataclasses.replace(
+        TASKS["sort"],
         name="sort_long",
-        ability="string",
-        generate=_gen_sort,
         defaults={"min_len": 1024, "max_len": 1280},
-        alphabet="0123456789:",
         description="sort with 1024-1280 digits: responses of 1024+ tokens, for the long-sequence "
         "recipe (configs/long_sequences.yaml: packing and sequence parallelism)",
-        distractor=lambda prompt, answer: answer[::-1],
     )
 )
 
