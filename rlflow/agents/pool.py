@@ -53,7 +53,7 @@ from omegaconf import OmegaConf
 
 from rlflow.agents import StepResult, load_env_class
 from rlflow.procpool import PoolWorker, ProcessPool, ProcessPoolOwner, Request, Slot, death_detail, error_line
-from rlflow.rewards import _as_number
+from rlflow.rewards import as_number
 
 __all__ = ["EnvError", "EnvOutcome", "EnvPool", "EnvWorker", "LocalEnvPool", "make_env_pool"]
 
@@ -124,7 +124,7 @@ def step_env(env, turn: str) -> _Result:
     observation = _observation(result.observation, "step")
     if isinstance(observation, _Result):
         return observation
-    reward = _as_number(result.reward)
+    reward = as_number(result.reward)
     if reward is None or not math.isfinite(reward):
         return _Result(cause=f"returned reward {result.reward!r}; the reward must be a finite number")
     info = {} if result.info is None else result.info

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "as_number",
     "compute_score",
     "evaluate",
     "known_data_sources",
@@ -111,7 +112,9 @@ class RewardError(RuntimeError):
     """A reward function failed or returned something that is not a usable score."""
 
 
-def _as_number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
+    """A real number (int, float, bool, a numpy scalar, a 0-dim or 1-element array) as a float;
+    None for anything else."""
     if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
         return float(value)
     if hasattr(value, "item") and getattr(value, "shape", None) in ((), (1,)):
@@ -172,17 +175,17 @@ def evaluate(fn: Callable, data_source, solution_str, ground_truth, extra_info=N
     except Exception as e:
         return Outcome("raised", what="reward function failed", detail=f": {type(e).__name__}: {e}", exc=e)
     if isinstance(result, Mapping):
-        score = _as_number(result.get("score"))
+        score = as_number(result.get("score"))
         if score is None:
             return Outcome("bad", what="reward function returned a dict without a numeric 'score'",
                            detail=f": keys {sorted(map(str, result))}, 'score' is {type(result.get('score')).__name__}")
         extras = {}
         for k, v in result.items():
-            num = None if k == "score" else _as_number(v)
+            num = None if k == "score" else as_number(v)
             if num is not None:
                 extras[str(k)] = num
         return Outcome("ok", score, extras)
-    score = _as_number(result)
+    score = as_number(result)
     if score is None:
         return Outcome("bad", what=f"reward function returned {type(result).__name__}",
                        detail="; expected a number or a dict with a numeric 'score'")
