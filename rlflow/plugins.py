@@ -9,6 +9,9 @@ and rollout.agent.env, and read no registry.) An entry ending in `.py` is a file
 the driver, so it must exist at that path on every node); anything else is a dotted module name,
 imported with the current directory on sys.path (Ray's workers have the driver's) or installed.
 
+`load_file` runs a Python file given by path as a module: the one loader behind trainer.imports,
+reward.custom_function.path and rollout.agent.env.
+
 ENGINE_MODULES is validation's view of the engine registry (workers/rollout/engine.py), which
 rlflow cannot import (layers: controllers -> workers -> rlflow): the built-in engines' names, and
 each `@register_engine` adds its own. Standard library only, so anything may import it.
@@ -24,12 +27,13 @@ import sys
 from types import ModuleType
 
 IMPORTS_KEY = "trainer.imports"
+_IMPORTS_PREFIX = "rlflow_imports_"  # the module names of its files (load_file)
 
 # {engine name: the module that registers it}; the built-ins are imported on first use (vllm is optional)
 ENGINE_MODULES: dict[str, str] = {"hf": "workers.rollout.hf", "vllm": "workers.rollout.vllm"}
 
-# the files imported in this process, by absolute path: a second import would register twice
-_FILES: dict[str, ModuleType] = {}
+# the files load_file(once=True) ran in this process, by (prefix, absolute path)
+_FILES: dict[tuple[str, str], ModuleType] = {}
 
 
 def is_file_spec(spec: str) -> bool:
@@ -62,21 +66,41 @@ def _import_dotted(name: str) -> ModuleType:
 
 def _import_file(path: str) -> ModuleType:
     path = os.path.abspath(path)
-    if path in _FILES:
-        return _FILES[path]
-    if not os.path.isfile(path):
+    if (_IMPORTS_PREFIX, path) not in _FILES and not os.path.isfile(path):
         raise ImportError(f"{IMPORTS_KEY}: no file {path}")
-    name = "rlflow_imports_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    try:
+        return load_file(path, _IMPORTS_PREFIX, once=True)
+    except Exception as err:
+        raise ImportError(f"{IMPORTS_KEY}: {path} failed to import: {type(err).__name__}: {err}") from err
+
+
+class NotAPythonFile(ImportError):
+    """`load_file` was given a file Python cannot import as a module (not a .py file)."""
+
+
+def load_file(path: str | os.PathLike, prefix: str, once: bool) -> ModuleType:
+    """The Python file at `path` run as a new module named `prefix` + a hash of its absolute path:
+    the one loader of user files by path (trainer.imports, reward.custom_function.path,
+    rollout.agent.env). It is in sys.modules only while it runs (dataclasses defined there need
+    that); left out afterwards, so cloudpickle ships what the file defines by value to processes
+    that cannot import it by that name. once=True: the first successful run's module is returned by
+    every later call in this process (a file that registers names must not register twice);
+    False: the file runs again on every call. What the file raises propagates unchanged: callers
+    name their config key in the error."""
+    path = os.fspath(path)
+    absolute = os.path.abspath(path)
+    if once and (prefix, absolute) in _FILES:
+        return _FILES[prefix, absolute]
+    name = prefix + hashlib.sha1(absolute.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise NotAPythonFile(f"cannot import {path} as a python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
-    # in sys.modules only while it runs (dataclasses need it); left out afterwards, so cloudpickle
-    # ships what the file defines by value to processes that cannot import it by that name
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as err:
-        raise ImportError(f"{IMPORTS_KEY}: {path} failed to import: {type(err).__name__}: {err}") from err
     finally:
         sys.modules.pop(name, None)
-    _FILES[path] = module
+    if once:
+        _FILES[prefix, absolute] = module
     return module

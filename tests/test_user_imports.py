@@ -99,3 +99,25 @@ def test_a_file_is_imported_once_per_process_and_left_out_of_sys_modules(tmp_pat
     first, = import_modules([str(plugin)])
     assert import_modules([str(plugin)]) == [first] and first.RUNS == [1]
     assert first.__name__ not in sys.modules  # cloudpickle ships what it defines by value
+
+
+def test_one_loader_serves_imports_reward_files_and_environments(tmp_path):
+    """rlflow.plugins.load_file: trainer.imports and rollout.agent.env run a file once per process,
+    a reward file runs afresh on every load; none stays in sys.modules (cloudpickle: by value)."""
+    from rlflow.agents import load_env_class
+    from rlflow.rewards import load_custom_reward_fn
+
+    env_file = tmp_path / "envs.py"
+    env_file.write_text("from rlflow.agents import Environment\nclass Env(Environment):\n    pass\n")
+    first = load_env_class(f"{env_file}:Env")
+    assert load_env_class(f"{env_file}:Env") is first and first.__module__ not in sys.modules
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text("def compute_score(*args, **kwargs):\n    return 1.0\n")
+    fn = load_custom_reward_fn(reward_file)
+    assert fn.__module__.startswith("rlflow_custom_reward_") and fn.__module__ not in sys.modules
+    reward_file.write_text("def compute_score(*args, **kwargs):\n    return 2.0\n")
+    assert load_custom_reward_fn(reward_file)("d", "s", "t") == 2.0  # edited: loaded again
+    not_python = tmp_path / "reward.txt"
+    not_python.write_text("x = 1\n")
+    with pytest.raises(ImportError, match=r"cannot import .*reward\.txt as a python module \(is it a \.py file\?\)"):
+        load_custom_reward_fn(not_python)

@@ -27,10 +27,10 @@ given (row, turns so far).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field
+
+from rlflow.plugins import load_file
 
 __all__ = ["Environment", "StepResult", "load_env_class"]
 
@@ -63,18 +63,11 @@ def load_env_class(spec: str) -> type:
         path = os.path.abspath(module_name)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"rollout.agent.env={spec!r}: no file {path}")
-        unique = f"rlflow_env_{abs(hash(path))}"
-        module = sys.modules.get(unique)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(unique, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[unique] = module
-            try:
-                loader_spec.loader.exec_module(module)
-            except Exception as err:
-                del sys.modules[unique]
-                raise ImportError(f"rollout.agent.env={spec!r}: {path} failed to load: "
-                                  f"{type(err).__name__}: {err}") from err
+        try:  # once per process: every later call returns the same class
+            module = load_file(path, "rlflow_env_", once=True)
+        except Exception as err:
+            raise ImportError(f"rollout.agent.env={spec!r}: {path} failed to load: "
+                              f"{type(err).__name__}: {err}") from err
     else:
         try:
             module = importlib.import_module(module_name)

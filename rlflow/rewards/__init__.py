@@ -16,18 +16,17 @@ same ``RewardManager.assemble``, so they give the same scores, extras and errors
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import logging
 import math
 import numbers
 import os
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlflow.plugins import NotAPythonFile, load_file
 
 __all__ = [
     "as_number",
@@ -71,33 +70,25 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
 
 
 def load_custom_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> Callable:
-    """Load ``name`` from the python file at ``path`` (imported as a fresh module)."""
+    """Load ``name`` from the python file at ``path`` (run afresh as a module on every call, by
+    rlflow.plugins.load_file: left out of sys.modules, so Ray ships its functions by value)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         where = "is a directory" if os.path.isdir(path) else "not found"
         raise FileNotFoundError(f"custom reward function file {where}: {path}")
-    digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-    mod_name = f"rlflow_custom_reward_{digest}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path} as a python module (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    # In sys.modules only while it runs (dataclasses in the file need that); afterwards it is
-    # left out so that cloudpickle (Ray) ships its functions by value to processes that
-    # cannot import the file by that module name.
-    sys.modules[mod_name] = module
+    # every error is raised here, in this function: the CLI counts the loader's errors as the user's
     try:
-        spec.loader.exec_module(module)
+        module = load_file(path, "rlflow_custom_reward_", once=False)
+    except NotAPythonFile as e:
+        raise ImportError(str(e)) from None
     except Exception as e:
         raise ImportError(
             f"importing the custom reward file {path} failed: {type(e).__name__}: {e}"
         ) from e
-    finally:
-        sys.modules.pop(mod_name, None)
     if not hasattr(module, name):
         found = sorted(
             k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-            and getattr(v, "__module__", None) == mod_name
+            and getattr(v, "__module__", None) == module.__name__
         )
         raise AttributeError(
             f"{path} defines no {name!r}; callables defined there: {found or 'none'}"
