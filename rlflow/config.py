@@ -9,7 +9,10 @@ data.max_response_length) — all before Ray starts.
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import ipaddress
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -555,8 +558,84 @@ def _import_user_modules(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
-def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int, cfg: DictConfig) -> None:
-    mini, dp = section.ppo_mini_batch_size, section.dp_size
+def packs_sequences(section) -> bool:
+    """Whether a role's forwards run packed micro-batches (sequence parallelism always packs)."""
+    return bool(section.use_remove_padding) or section.sp_size > 1
+
+
+def micro_batch_token_budget(section) -> int:
+    """Tokens one micro-batch may hold under use_dynamic_bsz: the per-rank budget times sp_size
+    (each of the sp ranks holds a 1/sp_size slice of the packed row)."""
+    return section.ppo_max_token_len_per_gpu * section.sp_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: each section's checks, in the order validate_config runs them
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainedSection:
+    """A config section whose role trains (controllers/roles.py declares the roles; the config
+    cannot import it): whether its role trains in a run, and the loss terms its workers build."""
+
+    enabled: Callable[[Any], bool]
+    loss_terms: Callable[[Any], Any]
+
+
+TRAINED_SECTIONS: dict[str, TrainedSection] = {
+    "actor": TrainedSection(lambda cfg: True, actor_loss_terms),
+    "critic": TrainedSection(lambda cfg: bool(cfg.critic.enable), critic_loss_terms),
+}
+
+
+def trained_sections(cfg) -> list[str]:
+    """The sections of the roles that train in this run: the actor, and the critic when enabled."""
+    return [name for name, section in TRAINED_SECTIONS.items() if section.enabled(cfg)]
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Every check before Ray starts; the first that fails raises a ConfigError naming its key."""
+    _check_data(cfg)
+    for role in trained_sections(cfg):
+        _check_trained_role(role, cfg)
+    _check_algorithm(cfg)
+    _check_actor(cfg)
+    _check_loss_terms(cfg)
+    _check_rollout(cfg)
+    _check_reference(cfg)
+    _check_reward(cfg)
+    _check_reward_model(cfg)
+    _check_agent(cfg)
+    _check_dynamic_sampling(cfg)
+    _check_trainer(cfg)
+    for role in TRAINED_SECTIONS:  # every declared one, trained in this run or not
+        _check_optim(role, cfg[role])
+
+
+def _sequences_per_step(cfg: DictConfig) -> int:
+    return cfg.data.train_batch_size * cfg.rollout.n
+
+
+def _check_data(cfg: DictConfig) -> None:
+    """The step's batch (prompts x rollout.n responses: what every role's sizes divide) and lengths."""
+    data = cfg.data
+    _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
+    _need(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
+    _need(data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
+    _need(data.max_response_length >= 1, "data.max_response_length must be >= 1")
+
+
+def _check_trained_role(role: str, cfg: DictConfig) -> None:
+    section = cfg[role]
+    _check_batch_algebra(role, section, cfg)
+    _check_sequence_layout(role, section)
+    _check_update(role, section)
+    _check_mixed_precision(role, section)
+
+
+def _check_batch_algebra(role: str, section: DictConfig, cfg: DictConfig) -> None:
+    mini, dp, sequences_per_step = section.ppo_mini_batch_size, section.dp_size, _sequences_per_step(cfg)
     _need(dp >= 1, f"{role}.dp_size must be >= 1, got {dp}")
     _need(mini >= 1, f"{role}.ppo_mini_batch_size must be >= 1, got {mini}")
     _need(sequences_per_step % mini == 0,
@@ -573,7 +652,13 @@ def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int
         _need(micro >= per_rank or per_rank % micro == 0,
               f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
               f"{role}.ppo_mini_batch_size / {role}.dp_size = {mini} / {dp} = {per_rank}, or be at least it")
-    _check_sequence_layout(role, section)
+
+
+def _check_sequence_layout(role: str, section: DictConfig) -> None:
+    _need(section.sp_size >= 1, f"{role}.sp_size must be >= 1 (1: no sequence parallelism), got {section.sp_size}")
+
+
+def _check_update(role: str, section: DictConfig) -> None:
     _need(section.loss_agg_mode in LOSS_AGG_MODES,
           f"{role}.loss_agg_mode={section.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
     _need(section.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
@@ -582,36 +667,96 @@ def _check_batch_algebra(role: str, section: DictConfig, sequences_per_step: int
           f"{role}.loss_scale_factor must be > 0, got {section.loss_scale_factor}")
 
 
-def _check_sequence_layout(role: str, section: DictConfig) -> None:
-    _need(section.sp_size >= 1, f"{role}.sp_size must be >= 1 (1: no sequence parallelism), got {section.sp_size}")
+def _check_optim(role: str, section: DictConfig) -> None:
+    name, sched = section.optim.name, section.optim.lr_scheduler
+    _need(name in OPTIMIZERS, f"{role}.optim.name={name!r} is not one of {', '.join(OPTIMIZERS)}")
+    _need(sched in ("constant", "cosine"), f"{role}.optim.lr_scheduler={sched!r} is not one of constant, cosine")
 
 
-def packs_sequences(section) -> bool:
-    """Whether a role's forwards run packed micro-batches (sequence parallelism always packs)."""
-    return bool(section.use_remove_padding) or section.sp_size > 1
+def _check_algorithm(cfg: DictConfig) -> None:
+    algo, estimator = cfg.algorithm, cfg.algorithm.adv_estimator
+    _need(estimator in ADV_ESTIMATORS,
+          f"algorithm.adv_estimator={estimator!r} is not one of {', '.join(sorted(ADV_ESTIMATORS))}")
+    if estimator in NEEDS_CRITIC:
+        _need(bool(cfg.critic.enable), f"algorithm.adv_estimator={estimator} needs a critic: "
+                                       "set critic.enable=true (or leave it unset)")
+    if estimator in NEEDS_GROUPS:
+        _need(cfg.rollout.n >= 2, f"algorithm.adv_estimator={estimator} compares responses within a group: "
+                                  f"rollout.n must be >= 2, got {cfg.rollout.n}")
+    _need(algo.kl_penalty in KL_PENALTY_MODES,
+          f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
+    _need(algo.kl_ctrl.type in ("fixed", "adaptive"),
+          f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is not one of fixed, adaptive")
+    _check_rollout_correction(cfg)
 
 
-def micro_batch_token_budget(section) -> int:
-    """Tokens one micro-batch may hold under use_dynamic_bsz: the per-rank budget times sp_size
-    (each of the sp ranks holds a 1/sp_size slice of the packed row)."""
-    return section.ppo_max_token_len_per_gpu * section.sp_size
+def _check_actor(cfg: DictConfig) -> None:
+    """The actor's own settings: its policy loss and that loss's options, the KL loss, LoRA."""
+    actor = cfg.actor
+    _need(actor.policy_loss in POLICY_LOSSES,
+          f"actor.policy_loss={actor.policy_loss!r} is not one of {', '.join(sorted(POLICY_LOSSES))}")
+    _need(actor.kl_loss_type in KL_PENALTY_MODES,
+          f"actor.kl_loss_type={actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
+    valid = option_names(POLICY_LOSSES[actor.policy_loss].options)
+    for key in actor.policy_loss_options:
+        _need(key in valid, f"actor.policy_loss_options.{key} is not an option of actor.policy_loss="
+                            f"{actor.policy_loss!r}; valid: {', '.join(valid) or '(none)'}")
+    _check_lora(cfg)
 
 
 def _check_loss_terms(cfg: DictConfig) -> None:
-    """Build the loss terms the workers will build, so a bad option fails before Ray starts."""
-    actor = cfg.actor
-    own = actor.policy_loss_options
-    valid = option_names(POLICY_LOSSES[actor.policy_loss].options)
-    for key in own:
-        _need(key in valid, f"actor.policy_loss_options.{key} is not an option of actor.policy_loss="
-                            f"{actor.policy_loss!r}; valid: {', '.join(valid) or '(none)'}")
-    sections = [("actor", actor, actor_loss_terms)] + ([("critic", cfg.critic, critic_loss_terms)] if cfg.critic.enable else [])
-    for role, section, build in sections:
+    """Build the loss terms each trained role's workers will build, so a bad option fails before Ray starts."""
+    own = cfg.actor.policy_loss_options
+    for role in trained_sections(cfg):
         try:
-            build(section)
+            TRAINED_SECTIONS[role].loss_terms(cfg[role])
         except LossOptionError as err:
             key = f"actor.policy_loss_options.{err.option}" if role == "actor" and err.option in own else f"{role}.{err.option}"
             raise ConfigError(f"{key} {err.problem}") from err
+
+
+def _check_rollout(cfg: DictConfig) -> None:
+    rollout, data = cfg.rollout, cfg.data
+    _need(rollout.name in ENGINE_MODULES or rollout.name == "auto" or ":" in rollout.name,
+          f"rollout.name={rollout.name!r} is not one of auto, {', '.join(sorted(ENGINE_MODULES))} (or "
+          "<module>:<RolloutEngine subclass>, or an engine registered by a module of trainer.imports)")
+    _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
+    _need(rollout.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {rollout.tensor_parallel_size}")
+    _need(rollout.tensor_parallel_size == 1 or rollout.name != "hf",
+          f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}: the hf engine runs one model per rollout rank; "
+          "use rollout.name=vllm (or rollout.dp_size for more rollout ranks)")
+    _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
+          f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
+    _need(data.train_batch_size % rollout.dp_size == 0,
+          f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
+    _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _need(0.0 < rollout.val_top_p <= 1.0, f"rollout.val_top_p must be in (0, 1], got {rollout.val_top_p}")
+    _need(rollout.val_temperature > 0, f"rollout.val_temperature must be > 0, got {rollout.val_temperature}")
+    _need(rollout.val_n >= 1, f"rollout.val_n must be >= 1, got {rollout.val_n}")
+    _need(rollout.val_n == 1 or rollout.val_do_sample,
+          f"rollout.val_n={rollout.val_n} needs rollout.val_do_sample=true: greedy decoding gives {rollout.val_n} "
+          "identical samples per prompt (set rollout.val_do_sample=true, or rollout.val_n=1)")
+    _need(rollout.temperature > 0, f"rollout.temperature must be > 0, got {rollout.temperature}")
+
+
+def _check_reference(cfg: DictConfig) -> None:
+    reference = cfg.reference
+    if not reference.enable:
+        return
+    sequences_per_step = _sequences_per_step(cfg)
+    _need(reference.dp_size >= 1, f"reference.dp_size must be >= 1, got {reference.dp_size}")
+    _need(sequences_per_step % reference.dp_size == 0,
+          f"reference.dp_size={reference.dp_size} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
+    _check_sequence_layout("reference", reference)
+
+
+def _check_reward(cfg: DictConfig) -> None:
+    reward = cfg.reward
+    _need(reward.on_error in ("raise", "zero"), f"reward.on_error={reward.on_error!r} is not one of raise, zero")
+    _need(reward.num_workers >= 0,
+          f"reward.num_workers must be >= 0 (0: score in the driver process), got {reward.num_workers}")
+    _need(0 < reward.timeout_s < float("inf"), f"reward.timeout_s must be a number of seconds > 0, got {reward.timeout_s}")
+    _need(reward.rule_weight >= 0, f"reward.rule_weight must be >= 0, got {reward.rule_weight}")
 
 
 def _check_rollout_correction(cfg: DictConfig) -> None:
@@ -635,8 +780,6 @@ def _check_lora(cfg: DictConfig) -> None:
     _need(0.0 <= lora.dropout < 1.0, f"actor.lora.dropout must be in [0, 1), got {lora.dropout}")
     _need(len(lora.target_modules) > 0 and all(isinstance(m, str) and m for m in lora.target_modules),
           f"actor.lora.target_modules must list module names (e.g. [q_proj, v_proj]), got {list(lora.target_modules)}")
-    import importlib.util
-
     _need(importlib.util.find_spec("peft") is not None,
           f"actor.lora.rank={lora.rank} needs the peft package: pip install peft")
 
@@ -707,8 +850,6 @@ def _check_dist_interface(value) -> None:
     limit); whether the interface exists is checked on the nodes (workers/base.py)."""
     if value is None:
         return
-    import ipaddress
-
     text = str(value)
     try:
         address = ipaddress.ip_address(text)
@@ -720,75 +861,12 @@ def _check_dist_interface(value) -> None:
     _need(address.version == 4, f"trainer.dist_interface={text!r}: give an IPv4 address or an interface name")
 
 
-def validate_config(cfg: DictConfig) -> None:
-    data, rollout, algo, trainer = cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
-    _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
-    _need(rollout.n >= 1, f"rollout.n must be >= 1, got {rollout.n}")
-    _need(data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
-    _need(data.max_response_length >= 1, "data.max_response_length must be >= 1")
-    sequences_per_step = data.train_batch_size * rollout.n
-    _check_batch_algebra("actor", cfg.actor, sequences_per_step, cfg)
-    if cfg.critic.enable:
-        _check_batch_algebra("critic", cfg.critic, sequences_per_step, cfg)
-    _need(algo.adv_estimator in ADV_ESTIMATORS,
-          f"algorithm.adv_estimator={algo.adv_estimator!r} is not one of {', '.join(sorted(ADV_ESTIMATORS))}")
-    if algo.adv_estimator in NEEDS_CRITIC:
-        _need(bool(cfg.critic.enable), f"algorithm.adv_estimator={algo.adv_estimator} needs a critic: "
-                                       "set critic.enable=true (or leave it unset)")
-    if algo.adv_estimator in NEEDS_GROUPS:
-        _need(rollout.n >= 2, f"algorithm.adv_estimator={algo.adv_estimator} compares responses within a group: "
-                              f"rollout.n must be >= 2, got {rollout.n}")
-    _need(cfg.actor.policy_loss in POLICY_LOSSES,
-          f"actor.policy_loss={cfg.actor.policy_loss!r} is not one of {', '.join(sorted(POLICY_LOSSES))}")
-    _need(cfg.actor.kl_loss_type in KL_PENALTY_MODES,
-          f"actor.kl_loss_type={cfg.actor.kl_loss_type!r} is not one of {', '.join(KL_PENALTY_MODES)}")
-    _check_loss_terms(cfg)
-    _check_mixed_precision("actor", cfg.actor)
-    if cfg.critic.enable:
-        _check_mixed_precision("critic", cfg.critic)
-    _check_lora(cfg)
-    _check_rollout_correction(cfg)
-    _need(algo.kl_penalty in KL_PENALTY_MODES,
-          f"algorithm.kl_penalty={algo.kl_penalty!r} is not one of {', '.join(KL_PENALTY_MODES)}")
-    _need(algo.kl_ctrl.type in ("fixed", "adaptive"),
-          f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is not one of fixed, adaptive")
-    _need(rollout.name in ENGINE_MODULES or rollout.name == "auto" or ":" in rollout.name,
-          f"rollout.name={rollout.name!r} is not one of auto, {', '.join(sorted(ENGINE_MODULES))} (or "
-          "<module>:<RolloutEngine subclass>, or an engine registered by a module of trainer.imports)")
-    _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
-    _need(rollout.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {rollout.tensor_parallel_size}")
-    _need(rollout.tensor_parallel_size == 1 or rollout.name != "hf",
-          f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}: the hf engine runs one model per rollout rank; "
-          "use rollout.name=vllm (or rollout.dp_size for more rollout ranks)")
-    _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
-          f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
-    _need(data.train_batch_size % rollout.dp_size == 0,
-          f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
-    if cfg.reference.enable:
-        ref_dp = cfg.reference.dp_size
-        _need(ref_dp >= 1, f"reference.dp_size must be >= 1, got {ref_dp}")
-        _need(sequences_per_step % ref_dp == 0,
-              f"reference.dp_size={ref_dp} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
-        _check_sequence_layout("reference", cfg.reference)
-    _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
-    _need(0.0 < rollout.val_top_p <= 1.0, f"rollout.val_top_p must be in (0, 1], got {rollout.val_top_p}")
-    _need(rollout.val_temperature > 0, f"rollout.val_temperature must be > 0, got {rollout.val_temperature}")
-    _need(rollout.val_n >= 1, f"rollout.val_n must be >= 1, got {rollout.val_n}")
-    _need(rollout.val_n == 1 or rollout.val_do_sample,
-          f"rollout.val_n={rollout.val_n} needs rollout.val_do_sample=true: greedy decoding gives {rollout.val_n} "
-          "identical samples per prompt (set rollout.val_do_sample=true, or rollout.val_n=1)")
-    _need(rollout.temperature > 0, f"rollout.temperature must be > 0, got {rollout.temperature}")
+
+
+def _check_trainer(cfg: DictConfig) -> None:
+    trainer = cfg.trainer
     for name in trainer.logger:
         _need(name in LOGGERS, f"trainer.logger: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
-    _need(cfg.reward.on_error in ("raise", "zero"), f"reward.on_error={cfg.reward.on_error!r} is not one of raise, zero")
-    _need(cfg.reward.num_workers >= 0,
-          f"reward.num_workers must be >= 0 (0: score in the driver process), got {cfg.reward.num_workers}")
-    _need(0 < cfg.reward.timeout_s < float("inf"),
-          f"reward.timeout_s must be a number of seconds > 0, got {cfg.reward.timeout_s}")
-    _need(cfg.reward.rule_weight >= 0, f"reward.rule_weight must be >= 0, got {cfg.reward.rule_weight}")
-    _check_reward_model(cfg)
-    _check_agent(cfg)
-    _check_dynamic_sampling(cfg)
     _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
     _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
     _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")
@@ -807,11 +885,6 @@ def validate_config(cfg: DictConfig) -> None:
               f"trainer.offload_dir={trainer.offload_dir!r} is not a writable directory")
     _need(trainer.grad_probes.num_projections >= 0,
           f"trainer.grad_probes.num_projections must be >= 0, got {trainer.grad_probes.num_projections}")
-    for opt_role in ("actor", "critic"):
-        name = cfg[opt_role].optim.name
-        _need(name in OPTIMIZERS, f"{opt_role}.optim.name={name!r} is not one of {', '.join(OPTIMIZERS)}")
-        sched = cfg[opt_role].optim.lr_scheduler
-        _need(sched in ("constant", "cosine"), f"{opt_role}.optim.lr_scheduler={sched!r} is not one of constant, cosine")
     if trainer.replay_rollouts is not None:
         _need(os.path.isdir(trainer.replay_rollouts),
               f"trainer.replay_rollouts={trainer.replay_rollouts}: not a folder of recorded rollouts (trainer.record_rollouts writes one)")
