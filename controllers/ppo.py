@@ -6,27 +6,36 @@ during its updates) -> every role's forward (old and reference log-probs, values
 concurrently) -> KL -> advantages -> for each ppo epoch a seeded shuffle into mini-batches,
 BatchMeta computed here for each whole mini-batch and attached to every dp shard -> every trained
 role's update (actor, critic; concurrently) -> metric reduction -> weight sync -> validation /
-logging / checkpoint. The roles are data (controllers/roles.py).
+logging / checkpoint. The roles are data (controllers/roles.py); what a run builds before its
+first step (model, tokenizer, data, reward, worker groups, weight sync) is controllers/setup.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tensordict import TensorDict
 
+from controllers import checkpoint
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from controllers.rollout_source import RolloutQueue
-from rlflow.algos import estimator_inputs, get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
-from rlflow.config import RLFlowConfig, config_to_dict, micro_batch_token_budget, to_dataclass
+from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
+                               critic_model_path, init_models, load_tokenizer, make_agent_loop, make_data,
+                               make_kl_controller, make_replay, make_reward_manager, make_rollout_source, make_scorer,
+                               place_roles, resolve_model_path, rows_in_memory, start_env_pool, start_ray,
+                               start_worker_groups)
+from controllers.worker_group import WorkerError
+from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
+from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
+from rlflow.config import RLFlowConfig, config_to_dict, load_config, micro_batch_token_budget, to_dataclass
+from rlflow.data.dataset import ROW_DATA_KEYS, collate, get_row_data
+from rlflow.logging import make_trackers
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
 from rlflow.plugins import import_modules
 from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, grouped_by_prompt,
@@ -62,58 +71,9 @@ class Timer:
         return Timer(self.seconds, self.prefix + prefix)
 
 
-def resolve_model_path(cfg: RLFlowConfig) -> str:
-    """"tiny" means the embedded model, built and warm-started locally (cached); an alias of
-    rlflow.models.MODEL_ALIASES (e.g. "smollm2-135m") a packaged model converted once into the cache."""
-    path = cfg.actor.model.path
-    if path == "tiny":
-        from rlflow.tiny import warm_start
-
-        return warm_start(cfg.data.synthetic_task)
-    from rlflow.models import MODEL_ALIASES, resolve_alias
-
-    if path in MODEL_ALIASES:
-        return resolve_alias(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"actor.model.path={path!r} is not a folder (a local HF model folder, 'tiny', "
-                                f"or one of {', '.join(sorted(MODEL_ALIASES))})")
-    check_causal_lm_folder(path)
-    return path
-
-
-def check_causal_lm_folder(path: str) -> None:
-    """Fail on the driver, before Ray starts, when the folder cannot be a policy."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"actor.model.path={path!r} has no config.json: not a HF model folder")
-    with open(config_file) as f:
-        architectures = json.load(f).get("architectures") or []
-    if not any(arch.endswith("ForCausalLM") for arch in architectures):
-        raise ValueError(
-            f"actor.model.path={path!r} holds a {architectures or 'model without architectures'} model, "
-            "not a causal LM: point it at a *ForCausalLM checkpoint"
-        )
-
-
 def _shares_prompts(section) -> bool:
     """Whether a trained role's section asks for the shared-prompt forward (<role>.model.share_prompt_forward)."""
     return bool(getattr(getattr(section, "model", None), "share_prompt_forward", False))
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {path} has no eos token; set eos_token in its tokenizer_config.json")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # common for causal LMs; masks keep it out of losses
-    return tokenizer
-
-
-def default_worker_classes() -> dict[str, type]:
-    """The worker class of each default role."""
-    return {name: role.worker_class() for name, role in resolve_roles().items()}
 
 
 class PPOTrainer:
@@ -126,224 +86,57 @@ class PPOTrainer:
         import_modules(self.cfg.trainer.imports)  # a config that skipped load_config (done there otherwise)
         self.roles = resolve_roles(roles, worker_classes)
         # in-memory data and reward (RLFlow's docstring): checked here, before anything starts
-        from rlflow.data.dataset import rows_from
-
-        prompt_key = self.cfg.data.prompt_key
-        self.train_rows = None if train_dataset is None else rows_from(train_dataset, prompt_key=prompt_key,
-                                                                       name="train_dataset")
-        self.val_rows = None if val_dataset is None else rows_from(val_dataset, prompt_key=prompt_key,
-                                                                   name="val_dataset")
-        if reward_fn is not None:
-            if not callable(reward_fn):
-                raise TypeError(f"reward_fn must be a callable (data_source, solution_str, ground_truth, "
-                                f"extra_info=None) -> float | dict, got a {type(reward_fn).__name__}")
-            if self.cfg.reward.num_workers > 0:
-                from rlflow.rewards.pool import pickle_reward_fn
-
-                pickle_reward_fn(reward_fn)  # the pool's processes get it pickled: fail now if it does not pickle
-            if self.cfg.reward.custom_function.path:
-                print(f"[rlflow] warning: reward_fn replaces reward.custom_function.path="
-                      f"{self.cfg.reward.custom_function.path} (that file is not loaded)", flush=True)
+        self.train_rows = rows_in_memory(train_dataset, self.cfg, "train_dataset")
+        self.val_rows = rows_in_memory(val_dataset, self.cfg, "val_dataset")
+        check_reward_fn(self.cfg, reward_fn)
         self.reward_fn = reward_fn
         self.history: list[dict] = []
         self.groups = {}
         self.pools = []
+        self.env_pool = None
         self.weight_version = 0  # training steps whose update the rollout's weights include
 
     @property
     def worker_classes(self) -> dict[str, type]:
         return {name: role.worker_class() for name, role in self.roles.items()}
 
-    # ------------------------------------------------------------------------------------------
-    # setup
-    # ------------------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Everything the steps use (controllers/setup.py); what can fail on the driver fails before Ray starts."""
         cfg = self.cfg
         torch.manual_seed(cfg.trainer.seed)
         self.model_path = resolve_model_path(cfg)
-        self.critic_path = self.model_path if cfg.critic.model.path in ("", "tiny", cfg.actor.model.path) else cfg.critic.model.path
+        self.critic_path = critic_model_path(cfg, self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self._setup_data()
-        self._setup_reward()
-        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
-                                         cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
-        from controllers.rollout_source import ReplaySource
-
-        replay = ReplaySource(cfg.trainer.replay_rollouts, cfg.trainer.total_steps) if cfg.trainer.replay_rollouts else None
+        self.train_dataset, self.val_dataset, self.loader = make_data(cfg, self.tokenizer, self.train_rows,
+                                                                      self.val_rows)
+        self.reward_manager = make_reward_manager(cfg, self.reward_fn)
+        check_env_and_reward_model(cfg)
+        self.score = make_scorer(cfg, self.tokenizer, self.reward_manager)
+        self.kl_ctrl = make_kl_controller(cfg)
+        replay = make_replay(cfg)
         if replay is not None and cfg.algorithm.rollout_correction.mode != "none" and cfg.trainer.total_steps > 0:
             self._check_rollout_log_probs(replay.next(0, Timer()).batch, 0)  # before Ray starts
         self.active_roles = enabled_roles(self.roles, cfg)
-        from controllers.cluster import ensure_ray
-
-        ensure_ray(cfg, [role.num_processes(cfg) for role in self.active_roles.values()])
-        self._setup_workers()
-        self.rollouts = RolloutQueue(self._make_source(replay), cfg.trainer.max_staleness, cfg.trainer.total_steps)
-
-    def _make_source(self, replay):
-        from controllers.rollout_source import GeneratingSource, RecordingSource
-
-        cfg = self.cfg
-        source = replay or GeneratingSource(cfg, self.loader, self.groups["rollout"], self.score,
-                                            weight_version=lambda: self.weight_version,
-                                            pad_token_id=self.tokenizer.pad_token_id, agent=self.agent)
-        if cfg.trainer.record_rollouts:
-            source = RecordingSource(source, cfg.trainer.record_rollouts)
-        return source
-
-    def _setup_data(self) -> None:
-        from rlflow.data.dataset import PromptDataset, StatefulDataLoader
-
-        cfg, data = self.cfg, self.cfg.data
-        kwargs = dict(prompt_key=data.prompt_key, apply_chat_template=_chat_flag(data.apply_chat_template),
-                      filter_overlong=data.filter_overlong_prompts)
-        if self.train_rows is not None:  # in memory: replaces data.train_files / the synthetic task
-            train = PromptDataset(self.train_rows, self.tokenizer, data.max_prompt_length,
-                                  source="train_dataset (rows given in memory)", **kwargs)
-            val = None  # validation only on rows given as val_dataset (below)
-        elif data.train_files:
-            train = PromptDataset.from_files(list(data.train_files), self.tokenizer, data.max_prompt_length, **kwargs)
-            val_files = list(data.val_files) or None
-            val = PromptDataset.from_files(val_files, self.tokenizer, data.max_prompt_length, **kwargs) if val_files else None
-        else:
-            from rlflow.data.synthetic import make_synthetic_rows
-
-            train_rows = make_synthetic_rows(data.synthetic_task, data.synthetic_train_size, data.seed, split="train")
-            val_rows = make_synthetic_rows(data.synthetic_task, data.synthetic_val_size, data.seed, split="val")
-            train = PromptDataset(train_rows, self.tokenizer, data.max_prompt_length, source="synthetic train", **kwargs)
-            val = PromptDataset(val_rows, self.tokenizer, data.max_prompt_length, source="synthetic val", **kwargs)
-        if self.val_rows is not None:
-            val = PromptDataset(self.val_rows, self.tokenizer, data.max_prompt_length,
-                                source="val_dataset (rows given in memory)", **kwargs)
-        self.train_dataset, self.val_dataset = train, val
-        self.loader = StatefulDataLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-
-    def _setup_reward(self) -> None:
-        from controllers.rollout_source import Scorer
-        from rlflow.rewards import RewardManager, compute_score, load_custom_reward_fn
-
-        reward = self.cfg.reward
-        custom = reward.custom_function
-        # loaded here too, before Ray starts: a missing file, an import error or a missing function
-        # stops the run at once, with the same error whether or not a pool scores
-        if self.reward_fn is not None:  # a Python callable replaces reward.custom_function
-            fn = self.reward_fn
-        else:
-            fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else compute_score
-        if reward.num_workers > 0:  # the processes start on the first batch, once Ray runs
-            from rlflow.rewards.pool import RewardPool
-
-            path = None if self.reward_fn is not None else custom.path
-            self.reward_manager = RewardPool(path, custom.name, reward.num_workers, reward.timeout_s,
-                                             reward.on_error, startup_timeout_s=self.cfg.trainer.startup_timeout_s,
-                                             fn=self.reward_fn)
-        else:
-            self.reward_manager = RewardManager(fn, on_error=reward.on_error)
-        self.env_pool = None
-        if self.cfg.rollout.agent.env:  # checked (and the class loaded) here, before Ray starts
-            from rlflow.agents import load_env_class
-
-            load_env_class(self.cfg.rollout.agent.env)
-        self.score = Scorer(self.tokenizer, self.reward_manager, rule_weight=reward.rule_weight,
-                            reward_model_weight=self.cfg.reward_model.weight)
-        if self.cfg.reward_model.enable:  # its worker group starts with the others (_setup_workers)
-            from rlflow.rewards.model import check_reward_model_folder
-
-            check_reward_model_folder(self.cfg.reward_model.path)
-
-    def _setup_workers(self) -> None:
-        from controllers.worker_group import RayWorkerGroup, ResourcePool
-        from workers.base import worker_threads
-
-        cfg, roles = self.cfg, self.active_roles
-        sizes = {name: role.num_processes(cfg) for name, role in roles.items()}
-        use_gpu = _cluster_gpus() > 0
-        per_worker = cfg.trainer.cpus_per_worker
-        threads = worker_threads(sum(sizes.values()))
-        env = dict(_worker_env())
-        # a rollout rank's vLLM engine runs its tensor-parallel ranks on the GPUs the rank holds
-        gpus_per_rank = {name: cfg.rollout.tensor_parallel_size if name == "rollout" else 1 for name in roles}
-        if cfg.trainer.colocate:
-            if use_gpu and max(gpus_per_rank.values()) > 1:
-                raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs "
-                                 "trainer.colocate=false on GPUs: a colocated bundle holds one GPU")
-            pool = ResourcePool(max(sizes.values()), per_worker * len(roles), int(use_gpu), name="colocated")
-            self.pools = [pool]
-            pools = {name: pool for name in roles}
-        else:
-            pools = {name: ResourcePool(size, per_worker, int(use_gpu) * gpus_per_rank[name], name=name)
-                     for name, size in sizes.items()}
-            self.pools = list(pools.values())
-        gpus = {name: (1.0 / len(roles) if cfg.trainer.colocate else float(gpus_per_rank[name])) if use_gpu else 0.0
-                for name in roles}
-        # the groups start concurrently: each waits for its processes to import torch & co
-        with ThreadPoolExecutor(max_workers=len(roles)) as executor:
-            starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, sizes[name], cfg, pools[name],
-                                              per_worker, gpus[name], env=env, num_threads=threads,
-                                              sp_size=role.sp_size(cfg))
-                        for name, role in roles.items()}
-            errors = []
-            for name, future in starting.items():
-                try:
-                    self.groups[name] = future.result()
-                except Exception as err:  # noqa: BLE001 - the first is re-raised once all have settled
-                    errors.append(err)
-            if errors:
-                raise errors[0]
+        start_ray(cfg, self.active_roles)
+        placement = place_roles(cfg, self.active_roles)
+        self.pools = placement.pools
+        start_worker_groups(cfg, self.active_roles, placement, self.groups)  # self.groups: shutdown stops them
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
-        inits = {}
-        for name, role in roles.items():
-            method, args = role.init(context)
-            inits[name] = (method, self.groups[name].call_all_async(method, *args))
-        for name, (method, futures) in inits.items():
-            self.groups[name].gather(futures, method, startup=True)
-        self.agent = None
-        if cfg.rollout.agent.env and "rollout" in self.groups:
-            from controllers.agent_loop import AgentLoop
-            from rlflow.agents.pool import make_env_pool
-
-            self.env_pool = make_env_pool(cfg.rollout.agent, cfg.trainer.startup_timeout_s)
-            self.agent = AgentLoop(cfg, self.groups["rollout"], self.env_pool, self.tokenizer)
-        if "reward_model" in self.groups:
-            from rlflow.rewards.model import RewardModelClient
-
-            self.score.reward_model = RewardModelClient(self.groups["reward_model"])
-        self.weight_sync = self._setup_weight_sync()
-
-    def _setup_weight_sync(self) -> str:
-        """shared_memory where every rollout worker shares actor rank 0's node, else object_store."""
-        if "rollout" not in self.groups:
-            return "none"
-        mode = self.cfg.rollout.weight_sync
-        if mode == "object_store":
-            return mode
-        from controllers.worker_group import WorkerError
-
-        actor, rollout = self.groups["actor"], self.groups["rollout"]
-        actor_node = actor.gather([actor.workers[0].node_id.remote()], "node_id", startup=True)[0]
-        rollout_nodes = set(rollout.gather(rollout.call_all_async("node_id"), "node_id", startup=True))
-        try:
-            if rollout_nodes != {actor_node}:
-                raise WorkerError("some rollout workers are on another node than actor rank 0")
-            layout = actor.gather(actor.call_all_async("open_weight_share"), "open_weight_share", startup=True)[0]
-            try:
-                rollout.gather(rollout.call_all_async("attach_weight_share", layout), "attach_weight_share", startup=True)
-            finally:
-                actor.gather([actor.workers[0].unlink_weight_share.remote()], "unlink_weight_share", startup=True)
-        except WorkerError as err:
-            if mode == "shared_memory":
-                raise WorkerError(f"rollout.weight_sync=shared_memory cannot be used: {err}") from err
-            print(f"[rlflow] weight sync through Ray's object store (shared memory unavailable: {err})", flush=True)
-            return "object_store"
-        return "shared_memory"
+        init_models(self.active_roles, self.groups, context)
+        self.env_pool = start_env_pool(cfg, self.groups)
+        self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer)
+        connect_reward_model(self.score, self.groups)
+        self.weight_sync = choose_weight_sync(cfg.rollout.weight_sync, self.groups)
+        source = make_rollout_source(cfg, replay, self.loader, self.groups, self.score, lambda: self.weight_version,
+                                     self.tokenizer.pad_token_id, self.agent)
+        self.rollouts = RolloutQueue(source, cfg.trainer.max_staleness, cfg.trainer.total_steps)
 
     # ------------------------------------------------------------------------------------------
     # the loop
     # ------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         cfg = self.cfg
-        from rlflow.logging import make_trackers
-
         run_dir = os.path.join(cfg.trainer.default_local_dir, cfg.trainer.project_name, cfg.trainer.experiment_name)
         self.run_dir = run_dir
         try:
@@ -357,8 +150,6 @@ class PPOTrainer:
                 val = self.validate()
                 self.history.append({"step": 0, **val})
                 self.tracker.log(val, step=0)
-            from controllers.worker_group import WorkerError
-
             for step in range(start_step, cfg.trainer.total_steps):
                 try:
                     metrics = self.train_step(step)
@@ -632,8 +423,6 @@ class PPOTrainer:
         powers of 2 below val_n, val_n; Chen et al.'s unbiased estimator, rlflow/algos/pass_at_k.py:
         a sample passes when its acc == 1, or its score > 0 where the reward reports no acc) and
         val/mean@{val_n} (the prompts' mean score over their samples, averaged over prompts)."""
-        from rlflow.data.dataset import ROW_DATA_KEYS, collate, get_row_data
-
         cfg = self.cfg
         n = cfg.rollout.val_n
         items = list(self.val_dataset)
@@ -662,16 +451,12 @@ class PPOTrainer:
         if accs:
             metrics["val/acc_mean"] = sum(accs) / len(accs)
         if n > 1:
-            from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics
-
             metrics.update(pass_at_k_metrics(group_samples(passed, n), group_samples(scores, n), prefix="val/"))
         return metrics
 
     @staticmethod
     def _val_passes(scores: list[float], accs: list[float] | None) -> list[bool]:
         """Which validation samples pass (for pass@k): acc == 1 where the reward reports acc, else score > 0."""
-        from rlflow.algos.pass_at_k import sample_passes
-
         accs = accs if accs else [None] * len(scores)
         return [sample_passes(score, acc) for score, acc in zip(scores, accs, strict=True)]
 
@@ -701,14 +486,10 @@ class PPOTrainer:
         self.weight_version = step
 
     def maybe_resume(self) -> int:
-        from controllers.checkpoint import resume
-
-        return resume(self)
+        return checkpoint.resume(self)
 
     def save_checkpoint(self, step: int) -> None:
-        from controllers.checkpoint import save
-
-        save(self, step)
+        checkpoint.save(self, step)
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -747,31 +528,9 @@ class RLFlow:
 
     def __init__(self, config=None, worker_classes: dict[str, type] | None = None, roles: list[Role] | None = None,
                  *, train_dataset=None, val_dataset=None, reward_fn=None):
-        from rlflow.config import load_config
-
         self.config = load_config() if config is None else config
         self.trainer = PPOTrainer(self.config, worker_classes=worker_classes, roles=roles, train_dataset=train_dataset,
                                   val_dataset=val_dataset, reward_fn=reward_fn)
 
     def fit(self) -> list[dict]:
         return self.trainer.fit()
-
-
-def _chat_flag(value: str):
-    return {"auto": "auto", "true": True, "false": False}.get(str(value).lower(), value)
-
-
-def _cluster_gpus() -> float:
-    import ray
-
-    return float(ray.cluster_resources().get("GPU", 0))
-
-
-def _worker_env() -> dict:
-    keep = ("RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
-    # OpenMP threads that spin while waiting burn the cores the other colocated workers (and any
-    # other load) need, and slow every worker down (docs/BENCHMARKS.md). Sleeping waiters change no
-    # result. The user's value wins.
-    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
-    return env

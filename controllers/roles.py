@@ -167,6 +167,11 @@ def resolve_roles(extra: list[Role] | tuple[Role, ...] | None = None,
     return roles
 
 
+def default_worker_classes() -> dict[str, type]:
+    """The worker class of each default role."""
+    return {name: role.worker_class() for name, role in resolve_roles().items()}
+
+
 def enabled_roles(roles: dict[str, Role], cfg: RLFlowConfig) -> dict[str, Role]:
     return {name: role for name, role in roles.items() if role.enabled(cfg)}
 

@@ -366,7 +366,7 @@ def _timed_worker(cls, methods):
 
 def timed_workers() -> dict[str, type]:
     """{role: a timed subclass of its worker}, for PPOTrainer(worker_classes=...)."""
-    from controllers.ppo import default_worker_classes
+    from controllers.roles import default_worker_classes
 
     classes = default_worker_classes()
     untimed = set(classes) - set(_TIMED_METHODS)

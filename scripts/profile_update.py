@@ -120,7 +120,7 @@ def top_ops(fn, count: int) -> str:
 def measure(args) -> dict[str, list[float]]:
     """Each update's seconds, bare and rlflow interleaved, in the calling process (--threads)."""
     torch.set_num_threads(args.threads)
-    from controllers.ppo import resolve_model_path
+    from controllers.setup import resolve_model_path
     from rlflow import load_config
     from transformers import AutoConfig
 
@@ -148,7 +148,7 @@ def in_ray_worker(args) -> dict[str, list[float]]:
     OMP_WAIT_POLICY=PASSIVE): whether the worker process itself is slower than a plain one."""
     import ray
 
-    from controllers.ppo import _worker_env as worker_env
+    from controllers.setup import worker_env
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     try:

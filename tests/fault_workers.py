@@ -149,7 +149,7 @@ def poison(shards: list, action: str | None) -> list:
 def faulty_workers(spec: str) -> dict[str, type]:
     """{role: a FaultInjection subclass of the role's worker} for the roles the spec names; each
     faulted method is wrapped (the others are the base class's)."""
-    from controllers.ppo import default_worker_classes
+    from controllers.roles import default_worker_classes
 
     faults = parse(spec)
     defaults = default_worker_classes()

@@ -26,7 +26,7 @@ def bench():
 
 
 def test_every_role_has_a_timed_worker(bench):
-    from controllers.ppo import default_worker_classes
+    from controllers.roles import default_worker_classes
 
     timed = bench.timed_workers()
     assert set(timed) == set(default_worker_classes())

@@ -63,8 +63,8 @@ def _run(model_dir: str, out_dir: str, **overrides):
     from trainers import CapturingTrainer
 
     class PlacedTrainer(CapturingTrainer):
-        def _setup_workers(self):
-            super()._setup_workers()
+        def setup(self):
+            super().setup()
             self.placement = {name: list(group.node_ids) for name, group in self.groups.items()}
             self.network = {name: {"master_addr": group.master_addr, "ranks": group.network}
                             for name, group in self.groups.items()}

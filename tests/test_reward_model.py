@@ -151,7 +151,7 @@ def test_a_run_trains_on_the_weighted_rule_and_model_scores(ray_session, tiny_mo
     """The recording holds each step's batch; its prompts decode back to the rows given in memory
     (the tiny tokenizer round-trips text, and the policy has no chat template: the raw prompt is the
     row's prompt), which give each response's ground truth."""
-    from controllers.ppo import load_tokenizer
+    from controllers.setup import load_tokenizer
     from controllers.rollout_source import read_recorded, recorded_steps
     from rlflow.data.synthetic import make_synthetic_rows
 

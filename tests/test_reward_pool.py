@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import tiny_overrides
-from rlflow.config import ConfigError, load_config
+from rlflow.config import ConfigError, load_config, to_dataclass
 from rlflow.rewards import RewardError, RewardManager, load_custom_reward_fn
 
 # one file, one behaviour per response text; the rest is an exact-match reward with extras
@@ -225,7 +225,7 @@ def test_a_reward_file_that_does_not_load(ray_session, tmp_path):
 
 
 def test_config_keys_and_the_trainer_setup(tmp_path, reward_file):
-    from controllers.ppo import PPOTrainer
+    from controllers.setup import make_reward_manager
     from rlflow.rewards.pool import RewardPool
 
     cfg = load_config(None)
@@ -236,20 +236,15 @@ def test_config_keys_and_the_trainer_setup(tmp_path, reward_file):
                           ("reward.timeout_s=inf", r"reward\.timeout_s must be")):
         with pytest.raises(ConfigError, match=key):
             load_config(None, [override])
-    trainer = PPOTrainer(load_config(None, [f"reward.custom_function.path={reward_file}", "reward.timeout_s=5"]))
-    trainer.tokenizer = None
-    trainer._setup_reward()
-    assert isinstance(trainer.reward_manager, RewardPool) and trainer.reward_manager.timeout_s == 5.0
-    assert trainer.reward_manager.slots == []  # the processes start with the first batch
-    trainer = PPOTrainer(load_config(None, ["reward.num_workers=0"]))
-    trainer.tokenizer = None
-    trainer._setup_reward()
-    assert type(trainer.reward_manager) is RewardManager  # in the driver, as before
+    manager = make_reward_manager(to_dataclass(load_config(None, [f"reward.custom_function.path={reward_file}",
+                                                                  "reward.timeout_s=5"])))
+    assert isinstance(manager, RewardPool) and manager.timeout_s == 5.0
+    assert manager.slots == []  # the processes start with the first batch
+    manager = make_reward_manager(to_dataclass(load_config(None, ["reward.num_workers=0"])))
+    assert type(manager) is RewardManager  # in the driver, as before
     # a file that does not load stops the setup before anything starts, with the driver's error
-    trainer = PPOTrainer(load_config(None, [f"reward.custom_function.path={tmp_path / 'nope.py'}"]))
-    trainer.tokenizer = None
     with pytest.raises(FileNotFoundError, match="nope.py"):
-        trainer._setup_reward()
+        make_reward_manager(to_dataclass(load_config(None, [f"reward.custom_function.path={tmp_path / 'nope.py'}"])))
 
 
 E2E_REWARD = '''

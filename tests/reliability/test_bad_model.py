@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from controllers.ppo import PPOTrainer, check_causal_lm_folder, load_tokenizer
+from controllers.ppo import PPOTrainer
+from controllers.setup import check_causal_lm_folder, load_tokenizer
 from rlflow import load_config
 
 

@@ -241,7 +241,7 @@ def test_fault_specs_are_checked():
     public method of the role's worker, which the subclass wraps (the others stay the base's)."""
     import fault_workers
 
-    from controllers.ppo import default_worker_classes
+    from controllers.roles import default_worker_classes
 
     defaults = default_worker_classes()
     classes = fault_workers.faulty_workers("actor:*:update:*:nan=1,actor:0:compute_log_prob:2:raise")
