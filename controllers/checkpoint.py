@@ -33,18 +33,25 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
+import ray
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from controllers.worker_group import RayWorkerGroup
 from rlflow.config import config_to_dict
 from rlflow.files import sha256_file
+from workers import lora
 
 FORMAT_VERSION = 2  # 2: the driver state under "driver"; recorded rollouts no longer inside
 MANIFEST = "manifest.json"
@@ -156,8 +163,6 @@ class _Writer:
         self._done(rel, path)
 
     def safetensors(self, rel: str, state: dict[str, torch.Tensor], dedupe: bool = True) -> None:
-        from safetensors.torch import save_file
-
         if dedupe:
             tensors, aliases = _dedupe_tied(state)
         else:
@@ -391,8 +396,6 @@ def verify(ckpt_dir: str) -> dict:
 
 
 def _torch_load(ckpt_dir: str, rel: str) -> Any:
-    import pickle
-
     path = os.path.join(ckpt_dir, rel)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -406,8 +409,6 @@ def _torch_load(ckpt_dir: str, rel: str) -> Any:
 
 
 def _load_model_file(ckpt_dir: str, rel: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
     path = os.path.join(ckpt_dir, rel)
     try:
         with safe_open(path, framework="pt") as f:
@@ -489,13 +490,7 @@ def _load_json(ckpt_dir: str, rel: str) -> dict:
 
 def _share(group, payload):
     """One copy in the object store for all ranks, rather than one per call."""
-    try:
-        from controllers.worker_group import RayWorkerGroup
-    except ImportError:  # pragma: no cover
-        return payload
     if isinstance(group, RayWorkerGroup):
-        import ray
-
         return ray.put(payload)
     return payload
 
@@ -530,8 +525,6 @@ def _get(tree: dict, dotted: str):
 
 
 def _warn(message: str) -> None:
-    import warnings
-
     warnings.warn(message, stacklevel=3)
 
 
@@ -542,8 +535,6 @@ def _warn(message: str) -> None:
 
 def export_hf(ckpt_dir: str, out_dir: str) -> str:
     """Write the checkpoint's actor as a HF model folder (AutoModelForCausalLM.from_pretrained)."""
-    from safetensors.torch import save_file
-
     ckpt_dir = resolve_checkpoint(ckpt_dir)
     manifest = verify(ckpt_dir)
     files = manifest["files"]
@@ -592,15 +583,13 @@ def _actor_weights(ckpt_dir: str, files: dict) -> dict[str, torch.Tensor]:
     they were trained on (adapter_config.json's base_model_name_or_path, as peft records it)."""
     if f"actor/{ADAPTER_FILE}" not in files:
         return _load_model_file(ckpt_dir, f"actor/{MODEL_FILE}")
-    from workers import lora
-
     config = _load_json(ckpt_dir, f"actor/{ADAPTER_CONFIG}")
     base_path = config.get("base_model_name_or_path")
     if not base_path or not os.path.isdir(base_path):
         raise CheckpointError(f"checkpoint {ckpt_dir} holds LoRA adapters; merging them needs their base model "
                               f"folder {base_path!r} (actor/{ADAPTER_CONFIG}: base_model_name_or_path), "
                               "which is not there")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: only merging LoRA adapters needs it (~2 s to import)
 
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto").state_dict()
     _, adapters = lora.split_adapters(_load_model_file(ckpt_dir, f"actor/{ADAPTER_FILE}"))

@@ -7,6 +7,7 @@ import os
 
 import ray
 
+from controllers.roles import enabled_roles, resolve_roles
 from rlflow.config import RLFlowConfig
 
 
@@ -46,8 +47,6 @@ def ensure_ray(cfg: RLFlowConfig, dp_sizes: list[int] | None = None) -> bool:
     if ray.is_initialized():
         return False
     if dp_sizes is None:
-        from controllers.roles import enabled_roles, resolve_roles
-
         dp_sizes = [role.num_processes(cfg) for role in enabled_roles(resolve_roles(), cfg).values()]
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     # the workers import rlflow/controllers/workers from the same checkout as the driver

@@ -29,6 +29,8 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.algos import estimator_inputs
+from rlflow.algos.dynamic_sampling import groups_with_variance, overlong_penalty, rows_of_groups
+from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
 from rlflow.protocol import concat_rollouts, last_valid_index
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -53,7 +55,7 @@ class Scorer:
         self.tokenizer = tokenizer
         self.reward = reward_manager
         self.rule_weight = rule_weight
-        self.reward_model = reward_model  # set once its worker group runs (PPOTrainer._setup_workers)
+        self.reward_model = reward_model  # set once its worker group runs (controllers/setup.py connect_reward_model)
         self.reward_model_weight = reward_model_weight
 
     def __call__(self, batch: TensorDict, rows: dict) -> tuple[torch.Tensor, dict]:
@@ -133,8 +135,6 @@ class GeneratingSource(RolloutSource):
                                               self.cfg.rollout.calculate_log_probs)
 
     def start(self, step: int, gen_index: int = 0) -> _Started:
-        from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
-
         prompts = next(self.loader)
         rows = {key: get_row_data(prompts, key) for key in ROW_DATA_KEYS}
         prompts = prompts.select("input_ids", "attention_mask", "position_ids")
@@ -179,8 +179,7 @@ class GeneratingSource(RolloutSource):
                 batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
         buffer = self.cfg.reward.overlong_buffer
         if buffer.enable:  # training rewards only: validation reports the task's own score
-            from rlflow.algos.dynamic_sampling import overlong_penalty
-                # the response up to its last model token (an agent's trajectory includes its observations)
+            # the response up to its last model token (an agent's trajectory includes its observations)
             last = last_valid_index(batch["response_mask"])
             penalty = overlong_penalty(last + 1, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
             scores = scores.scatter_add(1, last.clamp(min=0).unsqueeze(1), penalty.unsqueeze(1))
@@ -199,7 +198,6 @@ class GeneratingSource(RolloutSource):
         """Dynamic sampling: keep the groups whose metric varies, generating further batches until
         data.train_batch_size groups are kept; the batch is the first train_batch_size of them, in
         generation order. The weight version is the oldest of the batches used."""
-        from rlflow.algos.dynamic_sampling import groups_with_variance, rows_of_groups
         section, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
         wanted = self.cfg.data.train_batch_size
         kept, dropped, versions = [], [], []

@@ -11,6 +11,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
+from workers.wire import install as install_tensor_wire
+
 
 class WorkerError(RuntimeError):
     """A remote call failed; the message names the role, rank and call."""
@@ -119,8 +121,6 @@ class RayWorkerGroup:
     def __init__(self, worker_cls, role: str, world_size: int, cfg, pool: ResourcePool,
                  num_cpus: float, num_gpus: float = 0.0, env: dict | None = None, num_threads: int = 1,
                  sp_size: int = 1):
-        from workers.wire import install as install_tensor_wire
-
         install_tensor_wire()  # batches the driver sends cross Ray as numpy buffers (workers/wire.py)
         self.role = role
         self.world_size = world_size
