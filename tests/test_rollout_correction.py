@@ -301,7 +301,7 @@ class _RecordingGroup:
     def __init__(self):
         self.sent = []
 
-    def call_per_rank_async(self, method, per_rank_args):
+    def call_per_dp_rank_async(self, method, per_rank_args):
         self.sent.append([args[0] for args in per_rank_args])
         return per_rank_args
 
