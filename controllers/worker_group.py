@@ -23,7 +23,7 @@ class ResourcePool:
     """A placement group of `num_bundles` bundles; colocated roles put rank i on bundle i.
 
     PACK puts the bundles on as few nodes as possible, and on more when one node cannot hold them
-    all: on a cluster, a role's ranks spread over the nodes that have room (README "Multi-node")."""
+    all: on a cluster, a role's ranks spread over the nodes that have room (docs/CLUSTER.md, "Multi-node")."""
 
     num_bundles: int
     cpus_per_bundle: float

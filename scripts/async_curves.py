@@ -4,7 +4,7 @@ trainer.max_staleness=k, over several seeds, on the default run (configs/default
 model, the reverse task, PPO with a critic, 40 steps) or that run with --extra overrides.
 
     .venv/bin/python scripts/async_curves.py                          # seeds 0 1 2, staleness 0 and 1
-    .venv/bin/python scripts/async_curves.py --extra algorithm.adv_estimator=grpo --out docs/async_curves_grpo.png
+    .venv/bin/python scripts/async_curves.py --extra algorithm.adv_estimator=grpo --out docs/results/async_curves_grpo.png
 
 Prints, per run, the validation accuracy at each evaluation (@ training seconds so far) and the
 run's wall time, then whether

