@@ -167,10 +167,11 @@ def _sdpa_per_sequence(query, key, value, boundaries: torch.Tensor, scaling) -> 
     of the whole row's length squared."""
     key = _repeat_heads(key, query.shape[1] // key.shape[1])
     value = _repeat_heads(value, query.shape[1] // value.shape[1])
-    bounds = boundaries.tolist()
-    outputs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling)
-        for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    # split, not slices: the backward of a slice fills a zero gradient of the whole row per sequence
+    lengths = (boundaries[1:] - boundaries[:-1]).tolist()
+    outputs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+               for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
+               if q.shape[2]]
     return torch.cat(outputs, dim=2)
 
 
