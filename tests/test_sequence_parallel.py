@@ -30,6 +30,9 @@ CASES = {
     "prompt_only_slices": ([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], [[30]]),
     # 2 tokens in all: at sp=3 the last rank's slice is only the padding to a multiple of sp
     "padding_only_slice": ([[5]], [[31]]),
+    # one long sequence and three short ones: padded to the longest they would be mostly padding, so
+    # the attention runs per sequence (the other cases run one batched call)
+    "one_long_three_short": ([[5] * 16, [6], [7], [8]], [[20, 21, 22, 23, 24, 25], [26], [27], [28]]),
 }
 SP_SIZES = (2, 3)
 
@@ -154,6 +157,27 @@ def test_sequence_parallel_forward_and_gradient_equal_the_padded_one(tiny_model_
     assert [keep for _, _, keep in prompt_only] == [0] * (sp_size - 1) + [1]
     if sp_size == 3:
         assert slices["padding_only_slice"] == [(1, 1, 1), (1, 1, 0), (1, 1, 0)]
+
+
+def test_both_attention_paths_run(monkeypatch):
+    """varlen_attention's batched call (sequences right-padded to the longest) and its call per
+    sequence (when that padding would outweigh the tokens) are what the cases above exercise."""
+    from workers.sequence import _sdpa_per_sequence
+
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    for name, batched in (("varied", True), ("one_long_three_short", False)):
+        packed = pack_micro_batch(_batch(name))
+        x = torch.randn(1, 2, packed.packed_length, 4)
+        calls.clear()
+        _sdpa_per_sequence(x, x, x, packed.boundaries, None)
+        assert calls == ([4] if batched else [1] * 4), (name, calls)
 
 
 def test_heads_split_as_evenly_as_possible():

@@ -163,16 +163,40 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def _sdpa_per_sequence(query, key, value, boundaries: torch.Tensor, scaling) -> torch.Tensor:
-    """Causal sdpa over each packed sequence in turn: the work of the unpadded sequences, no mask
-    of the whole row's length squared."""
+    """Causal sdpa within each packed sequence: one batched call over the sequences right-padded to
+    the longest (a query sees only its own sequence's earlier tokens, never the padding after them)
+    while that padding stays under the packed tokens themselves; else one call per sequence, whose
+    cost is the unpadded sequences' and needs no mask of the whole row's length squared."""
     key = _repeat_heads(key, query.shape[1] // key.shape[1])
     value = _repeat_heads(value, query.shape[1] // value.shape[1])
+    lengths = boundaries[1:] - boundaries[:-1]
+    num_sequences, longest, total = lengths.numel(), int(lengths.max()), int(boundaries[-1])
+    if num_sequences > 1 and num_sequences * longest <= 2 * total:
+        return _sdpa_right_padded(query, key, value, boundaries, longest, scaling)
     # split, not slices: the backward of a slice fills a zero gradient of the whole row per sequence
-    lengths = (boundaries[1:] - boundaries[:-1]).tolist()
+    sizes = lengths.tolist()
     outputs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-               for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
+               for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
                if q.shape[2]]
     return torch.cat(outputs, dim=2)
+
+
+def _sdpa_right_padded(query, key, value, boundaries: torch.Tensor, longest: int, scaling) -> torch.Tensor:
+    """[1, H, L, D] packed -> each sequence in a row of [S, H, longest, D] -> one causal sdpa -> back."""
+    lengths = (boundaries[1:] - boundaries[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    offset = torch.arange(sequence.numel(), device=lengths.device) - boundaries[:-1].long()[sequence]
+    slot = sequence * longest + offset  # each packed token's place in the padded layout
+    heads, dim = query.shape[1], query.shape[3]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        rows = x.new_zeros(lengths.numel() * longest, heads, dim).index_copy(0, slot, x[0].transpose(0, 1))
+        return rows.view(lengths.numel(), longest, heads, dim).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(padded(query), padded(key), padded(value),
+                                                           is_causal=True, scale=scaling)
+    out = out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, slot)
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 @functools.cache
