@@ -5,8 +5,9 @@ into one row; position ids restart per sequence (each row keeps its own), and at
 sequence through `cu_seq_lens` (the boundaries of the sequences in the packed row), so it never
 crosses a sequence boundary. The attention is `varlen_attention`, registered with transformers'
 attention interface under ATTENTION_NAME: the model code is transformers' own. It runs flash-attn's
-varlen kernel where flash-attn is installed (CUDA, half precision), else torch's sdpa once per
-sequence (CPU): the work of the unpadded sequences, without a mask of the row's length squared.
+varlen kernel where flash-attn is installed (CUDA, half precision), else torch's causal sdpa over
+the sequences right-padded to the longest inside the attention (`_sdpa_per_sequence`), never with a
+mask of the row's length squared.
 
 Sequence parallelism (`<role>.sp_size` > 1): the packed row is cut into sp equal slices (padded to
 a multiple of sp); each rank of an sp group runs embeddings, MLPs and norms on its slice, and
