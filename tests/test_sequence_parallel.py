@@ -199,3 +199,13 @@ def test_token_budget_packs_micro_batches_to_the_budget():
     weights = batch["attention_mask"].sum(-1).tolist()
     fewer = balanced_partition(weights, len(micro) - 1)
     assert max(sum(weights[r] for r in part) for part in fewer) > budget
+
+
+def test_more_sp_ranks_than_attention_heads_is_an_error_naming_the_key(tiny_model_dir):
+    from conftest import tiny_overrides
+    from rlflow.config import load_config, to_dataclass
+    from workers.actor import ActorWorker
+
+    cfg = to_dataclass(load_config(None, tiny_overrides(tiny_model_dir, **{"actor.sp_size": 8})))
+    with pytest.raises(ValueError, match=r"actor\.sp_size=8: the model has 4 attention heads"):
+        ActorWorker(cfg, 0, 8).init_model(tiny_model_dir, 1)

@@ -273,6 +273,10 @@ class WorkerBase:
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"{self.layout_section}.use_remove_padding / sp_size: {type(model).__name__} does not take "
                              "transformers' attention functions, which packed micro-batches run through")
+        heads = getattr(model.config, "num_attention_heads", None)
+        if heads is not None and heads < section.sp_size:  # every sp rank attends with >= 1 head
+            raise ValueError(f"{self.layout_section}.sp_size={section.sp_size}: the model has {heads} attention heads, "
+                             "and each sequence-parallel rank needs one")
         use_packed_attention(model)
         return SequenceLayout(packs=True, sp=self.sequence_parallel)
 
