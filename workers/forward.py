@@ -213,6 +213,16 @@ def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, width - values.shape[1]))
 
 
+def _packed_forward(model: torch.nn.Module, td: TensorDict, layout: SequenceLayout):
+    """(the packed row, the model's output at its response-predicting columns) of a micro-batch."""
+    packed = pack_micro_batch(td, layout.sp)
+    return packed, packed_forward(model, packed, layout.sp, _takes_logits_to_keep(type(_hf_model(model))))
+
+
+def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def response_log_probs(
     model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False, share_prompt: bool = False,
     layout: SequenceLayout = PADDED,
@@ -220,17 +230,14 @@ def response_log_probs(
     """log p(response token) under logits / temperature (the sampling distribution), [B, R]."""
     shape = tuple(td["responses"].shape)
     if layout.packs:
-        packed = pack_micro_batch(td, layout.sp)
-        logits = packed_forward(model, packed, layout.sp, _takes_logits_to_keep(type(_hf_model(model))))
+        packed, logits = _packed_forward(model, td, layout)
         logits = logits.float() / temperature
-        tokens = td["responses"][packed.rows, packed.columns]
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        log_probs = _token_log_probs(logits, td["responses"][packed.rows, packed.columns])
         entropy = layout.gather(entropy_from_logits(logits), packed, shape) if with_entropy else None
         return layout.gather(log_probs, packed, shape), entropy
     logits, kept = _forward_window(model, td, share_prompt)
     logits = logits.float() / temperature
-    tokens = td["responses"][:, :kept]
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    log_probs = _token_log_probs(logits, td["responses"][:, :kept])
     width = shape[1]
     entropy = _pad_to(entropy_from_logits(logits), width) if with_entropy else None
     return _pad_to(log_probs, width), entropy
@@ -240,8 +247,7 @@ def response_values(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
                     layout: SequenceLayout = PADDED) -> torch.Tensor:
     """V(state before each response token), [B, R], from a model with a scalar head."""
     if layout.packs:
-        packed = pack_micro_batch(td, layout.sp)
-        scores = packed_forward(model, packed, layout.sp, _takes_logits_to_keep(type(_hf_model(model))))
+        packed, scores = _packed_forward(model, td, layout)
         return layout.gather(scores.squeeze(-1).float(), packed, tuple(td["responses"].shape))
     scores, kept = _forward_window(model, td, share_prompt)
     return _pad_to(scores.squeeze(-1).float(), td["responses"].shape[1])
