@@ -68,7 +68,9 @@ def build_varied_length_model(out_dir: str) -> str:
 
 
 # every fit: 16 responses per step (8 prompts x n=2), mini-batches of 8 -> 2 per epoch, 2 epochs,
-# 3 steps -> 12 optimizer steps per model; a critic (gae) and an entropy bonus
+# 2 steps -> 8 optimizer steps per model, the second step's rollout scored and updated from weights
+# the first step moved; a critic (gae) and an entropy bonus
+STEPS = 2
 BASE = {
     "data.max_prompt_length": 16,
     "data.max_response_length": 6,
@@ -85,7 +87,7 @@ BASE = {
     "actor.optim.lr": 3e-6,
     "critic.optim.lr": 3e-6,
     "algorithm.adv_estimator": "gae",
-    "trainer.total_steps": 3,
+    "trainer.total_steps": STEPS,
     "trainer.deterministic": True,
     "trainer.logger": "[jsonl]",
     "trainer.grad_probes.enable": True,

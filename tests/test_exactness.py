@@ -32,6 +32,7 @@ import exactness_workers
 from exactness_helpers import (
     recorded_batches,
     BASE,
+    STEPS,
     build_varied_length_model,
     compare_fits,
     required_metrics,
@@ -42,8 +43,9 @@ from exactness_helpers import (
 MINI = 8  # actor.ppo_mini_batch_size (BASE in exactness_helpers)
 TOKEN_BUDGET = 24  # ppo_max_token_len_per_gpu: rows are 6..13 tokens, so 2-4 micro-batches per shard
 # large: over the fit the largest actor tensor movement is ~0.09, the critic's ~0.01 (the critic's
-# token-mean value loss has 2-3x the actor's gradient norm and diverged at 0.05)
-SGD_LR = {"actor": 0.05, "critic": 0.005}
+# token-mean value loss has 2-3x the actor's gradient norm and diverged at 0.05); the critic's
+# slowest tensor must still move 100x its rounding in the fit's 8 SGD steps
+SGD_LR = {"actor": 0.05, "critic": 0.0075}
 
 # One algorithm setting per family; the five loss_agg_modes each appear once for the actor and
 # once for the critic in F1-F5. F1 is also the generating (recorded) configuration.
@@ -224,7 +226,7 @@ def first_step_probes(fit, role: str) -> dict[str, float]:
 
 def test_recorded_rollout_has_uneven_masks(fits):
     lengths = response_lengths(fits["gen1"].record_path)
-    assert len(lengths) == 3
+    assert len(lengths) == STEPS
     flat = [n for step in lengths for n in step]
     assert len(set(flat)) >= 3, f"recorded response lengths barely vary: {lengths}"
     assert min(flat) >= 1 and max(flat) <= 6
@@ -246,7 +248,7 @@ def test_multi_turn_recording_has_holes_and_mixed_turn_counts(fits):
 def test_deterministic_mode_reproduces_a_generating_run(fits):
     a, b = fits["gen1"], fits["gen2"]
     ra, rb = recorded_batches(a.record_path), recorded_batches(b.record_path)
-    assert sorted(ra) == sorted(rb) == [0, 1, 2]
+    assert sorted(ra) == sorted(rb) == list(range(STEPS))
     for step in ra:
         assert set(ra[step].keys()) == set(rb[step].keys())
         for key in ra[step].keys():
@@ -278,14 +280,14 @@ def test_layouts_ran_as_configured(fits):
     def micro(name):
         return [h["actor/num_micro_batches"] for h in fits[name].steps()]
 
-    assert micro("F1/whole") == [1.0] * 3 and micro("F1/mb1") == [8.0] * 3 and micro("F5/mb2") == [4.0] * 3
-    assert micro("F3/dp2") == [1.0] * 3  # 4 rows per rank in one micro-batch
+    assert micro("F1/whole") == [1.0] * STEPS and micro("F1/mb1") == [8.0] * STEPS and micro("F5/mb2") == [4.0] * STEPS
+    assert micro("F3/dp2") == [1.0] * STEPS  # 4 rows per rank in one micro-batch
     for name in ("F5/dp2-ddp-mb2", "S1/dp2-mb2", "S1/dp2-ddp-mb2", "M1/dp2-mb2"):  # 4 rows per rank in 2 micro-batches
-        assert micro(name) == [2.0] * 3, name
+        assert micro(name) == [2.0] * STEPS, name
     assert all(n >= 2 for name in ("F2/dyn", "F4/dp2-dyn", "S1/dp2-dyn", "S1/sp2-dyn", "F1/sp2-dyn") for n in micro(name))
     for family in ("S1", "F1"):  # 8 rows per mini-batch: packed in micro-batches of 2, sp=2 in 2 of 4 rows
-        assert micro(f"{family}/pack-mb2") == [4.0] * 3 and micro(f"{family}/sp2") == [2.0] * 3
-        assert micro(f"{family}/dp2-sp2") == [2.0] * 3
+        assert micro(f"{family}/pack-mb2") == [4.0] * STEPS and micro(f"{family}/sp2") == [2.0] * STEPS
+        assert micro(f"{family}/dp2-sp2") == [2.0] * STEPS
 
 
 def test_dp2_shards_hold_unequal_token_counts(fits):
