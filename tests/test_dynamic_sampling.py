@@ -65,10 +65,14 @@ def test_concat_rollouts_pads_prompts_left_and_keeps_forwards(tiny_model_dir):
 
 
 # -- dynamic sampling in a run ----------------------------------------------------------------------
+# the reward in the driver: the reward pool's 2 processes per fit are not what these tests are about
+DRIVER_REWARD = {"reward.num_workers": 0}
+
+
 def _filtered_config(model_dir, base, **extra):
     values = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "score",
               "algorithm.filter_groups.max_num_gen_batches": 6, "trainer.max_staleness": 0,
-              "trainer.record_rollouts": os.path.join(base, "rec"), **extra}
+              "trainer.record_rollouts": os.path.join(base, "rec"), **DRIVER_REWARD, **extra}
     return async_config(model_dir, base, **values)
 
 
@@ -162,7 +166,8 @@ def test_overlong_penalty_lands_on_the_last_token(ray_session, tiny_model_dir, t
     config = async_config(tiny_model_dir, base, **{
         "reward.custom_function.path": "null", "trainer.total_steps": 1, "trainer.max_staleness": 0,
         "algorithm.adv_estimator": "grpo", "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 3,
-        "reward.overlong_buffer.penalty_factor": 2.0, "trainer.record_rollouts": os.path.join(base, "rec")})
+        "reward.overlong_buffer.penalty_factor": 2.0, "trainer.record_rollouts": os.path.join(base, "rec"),
+        **DRIVER_REWARD})
     history = RLFlow(config, reward_fn=lambda *args, **kwargs: 1.0).fit()
     batch = read_recorded(os.path.join(base, "rec"), 0).batch
     lengths = batch["response_mask"].sum(-1)

@@ -16,6 +16,10 @@ from trainers import CapturingTrainer
 from rlflow import load_config
 from rlflow.protocol import BatchMeta
 
+# the reward in the driver, for the fits that are not about the default setup: the reward pool's 2
+# processes per fit are not what they test (tests/test_reward_pool.py)
+DRIVER_REWARD = {"reward.num_workers": 0}
+
 
 def test_ppo_dp2_actor_and_critic_receive_driver_metadata(ray_session, tiny_model_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(
@@ -78,7 +82,7 @@ def _weight_share_files() -> set[str]:
 def test_weight_sync_changes_rollout_outputs(ray_session, tiny_model_dir, tmp_path, mode):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"actor.optim.lr": 0.05, "actor.grad_clip": 100.0,
                                                              "rollout.weight_sync": mode,
-                                                             "trainer.default_local_dir": str(tmp_path)}))
+                                                             "trainer.default_local_dir": str(tmp_path), **DRIVER_REWARD}))
     files_before = _weight_share_files()
     trainer = PPOTrainer(cfg, worker_classes=INSPECTABLE)
     trainer.setup()
@@ -126,7 +130,7 @@ def _one_on_policy_grpo_step(tmp_path, model_dir, name: str, skip: bool,
     cfg = load_config(None, tiny_overrides(model_dir, **{
         "algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": 16, "trainer.total_steps": 1,
         "trainer.deterministic": True, "actor.skip_old_log_prob_when_on_policy": skip,
-        "trainer.default_local_dir": str(tmp_path / name)}))
+        "trainer.default_local_dir": str(tmp_path / name), **DRIVER_REWARD}))
     trainer = CapturingTrainer(cfg, worker_classes=worker_classes)
     history = trainer.fit()
     return history[-1], trainer.final_weights["actor"]
@@ -169,7 +173,7 @@ def test_every_advantage_estimator_runs_three_steps(ray_session, tiny_model_dir,
     record = str(tmp_path / "rollouts")
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": estimator, "trainer.total_steps": 3, "trainer.default_local_dir": str(tmp_path),
-        "trainer.record_rollouts": record}))
+        "trainer.record_rollouts": record, **DRIVER_REWARD}))
     trainer = PPOTrainer(cfg)
     history = trainer.fit()
     steps = [h for h in history if "actor/pg_loss" in h]

@@ -46,9 +46,10 @@ def _make_reward():
 
 
 def _cfg(model_dir, tmp_path, name, **extra):
+    # GRPO: no critic process per fit (the scores and the data position do not involve it)
     return load_config(None, tiny_overrides(model_dir, **{
         "trainer.default_local_dir": str(tmp_path), "trainer.experiment_name": name, "data.max_response_length": 4,
-        **extra}))
+        "algorithm.adv_estimator": "grpo", **extra}))
 
 
 def _scores(history):

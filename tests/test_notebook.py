@@ -44,6 +44,7 @@ def test_quickstart_notebook_runs_headless(tiny_model_dir, tmp_path, monkeypatch
     overrides = tiny_overrides(tiny_model_dir, **{
         "trainer.total_steps": 2, "trainer.logger": "[console,jsonl]",
         "trainer.default_local_dir": str(tmp_path / "outputs"),
+        "algorithm.adv_estimator": "grpo",  # the notebook's own option: no critic process to start
     })
     marker = f"nb-{tmp_path.name}"
     # the kernel inherits this environment (monkeypatch puts it back afterwards)

@@ -9,6 +9,7 @@ memory has dropped by most of the bytes held, and the holding directory shows no
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import datetime
 import json
@@ -152,31 +153,39 @@ SINGLE_RANK = {"adamw-float32": ("adamw", torch.float32), "sgd-bfloat16": ("sgd"
 
 
 def _spawned_scenarios(rank: int, world_size: int, model_dir: str, work_dir: str) -> None:
-    """Every scenario of a world size in one set of fresh processes (starting one costs seconds;
-    a fresh heap is what makes the resident-memory drop measurable: in the pytest process,
-    earlier tests' allocations keep freed blocks from returning to the OS). Each rank writes its
-    result, or its error, per scenario."""
+    """Every scenario in one pair of fresh processes (starting one costs seconds; a fresh heap is
+    what makes the resident-memory drop measurable: in the pytest process, earlier tests'
+    allocations keep freed blocks from returning to the OS). Each process first runs one
+    single-rank scenario alone (rank 0 of 1, no process group), then both run the dp=2 ones. Each
+    rank writes its result, or its error, per scenario."""
     torch.set_num_threads(1)
-    scenarios = ({name: ("none", *spec) for name, spec in SINGLE_RANK.items()} if world_size == 1
-                 else {strategy: (strategy, "adamw", torch.float32) for strategy in STRATEGIES})
-    for name, (strategy, optimizer_name, dtype) in scenarios.items():
+    single = {name: (0, 1, "none", *spec) for name, spec in list(SINGLE_RANK.items())[rank::world_size]}
+    dp2 = {strategy: (rank, world_size, strategy, "adamw", torch.float32) for strategy in STRATEGIES}
+    for name, (scenario_rank, size, strategy, optimizer_name, dtype) in {**single, **dp2}.items():
         os.makedirs(os.path.join(work_dir, name), exist_ok=True)
         try:
-            result = _scenario(rank, world_size, strategy, model_dir, os.path.join(work_dir, name), optimizer_name, dtype)
+            result = _scenario(scenario_rank, size, strategy, model_dir, os.path.join(work_dir, name), optimizer_name,
+                               dtype)
         except BaseException:
             result = {"error": traceback.format_exc()}
-        with open(os.path.join(work_dir, name, f"result-{rank}.json"), "w") as f:
+        with open(os.path.join(work_dir, name, f"result-{scenario_rank}.json"), "w") as f:
             json.dump(result, f)
 
 
 # -- the tests --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def single_rank_results(model_dir, tmp_path_factory) -> dict[str, dict]:
+def spawned_dir(model_dir, tmp_path_factory):
     import torch.multiprocessing as mp
 
-    work_dir = tmp_path_factory.mktemp("offload_single")
-    mp.spawn(_spawned_scenarios, args=(1, model_dir, str(work_dir)), nprocs=1, join=True)
-    return {name: json.loads((work_dir / name / "result-0.json").read_text()) for name in SINGLE_RANK}
+    assert len(SINGLE_RANK) == 2  # one per spawned process
+    work_dir = tmp_path_factory.mktemp("offload_spawned")
+    mp.spawn(_spawned_scenarios, args=(2, model_dir, str(work_dir)), nprocs=2, join=True)
+    return work_dir
+
+
+@pytest.fixture(scope="module")
+def single_rank_results(spawned_dir) -> dict[str, dict]:
+    return {name: json.loads((spawned_dir / name / "result-0.json").read_text()) for name in SINGLE_RANK}
 
 
 @pytest.mark.parametrize("scenario", SINGLE_RANK)
@@ -187,12 +196,8 @@ def test_single_rank_round_trip(single_rank_results, scenario):
 
 
 @pytest.fixture(scope="module")
-def dp2_results(model_dir, tmp_path_factory) -> dict[str, list[dict]]:
-    import torch.multiprocessing as mp
-
-    work_dir = tmp_path_factory.mktemp("offload_dp2")
-    mp.spawn(_spawned_scenarios, args=(2, model_dir, str(work_dir)), nprocs=2, join=True)
-    return {strategy: [json.loads((work_dir / strategy / f"result-{rank}.json").read_text()) for rank in range(2)]
+def dp2_results(spawned_dir) -> dict[str, list[dict]]:
+    return {strategy: [json.loads((spawned_dir / strategy / f"result-{rank}.json").read_text()) for rank in range(2)]
             for strategy in STRATEGIES}
 
 
@@ -207,11 +212,19 @@ def test_dp2_round_trip(dp2_results, strategy):
         assert share <= result["held_bytes"] < share * 1.1
 
 
-def _trained(model_dir: str):
+@pytest.fixture(scope="module")
+def trained_once(model_dir):
     torch.manual_seed(0)
     model = _load(model_dir)
     optimizer = _optimizer(model, "adamw")
     _step(model, optimizer, torch.randint(0, MODEL["vocab_size"], (2, 16)))
+    return model, optimizer
+
+
+@pytest.fixture
+def trained(trained_once):
+    """A model and optimizer after one step, a copy per test (the tests offload and damage it)."""
+    model, optimizer = copy.deepcopy(trained_once)
     with torch.no_grad():
         snapshot = [tensor.clone() for tensor in _tensors(model, optimizer)]
     return model, optimizer, snapshot
@@ -222,8 +235,8 @@ def _assert_intact(model, optimizer, snapshot) -> None:
     assert len(now) == len(snapshot) and all(torch.equal(a, b) for a, b in zip(snapshot, now))
 
 
-def test_unusable_holding_dir_is_named_and_changes_nothing(model_dir, tmp_path):
-    model, optimizer, snapshot = _trained(model_dir)
+def test_unusable_holding_dir_is_named_and_changes_nothing(trained, tmp_path):
+    model, optimizer, snapshot = trained
     not_a_dir = tmp_path / "a-file"
     not_a_dir.write_text("")
     for where in (tmp_path / "missing", not_a_dir):
@@ -235,9 +248,9 @@ def test_unusable_holding_dir_is_named_and_changes_nothing(model_dir, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a-file"]
 
 
-def test_disk_full_midway_frees_nothing_and_leaves_no_file(model_dir, tmp_path):
+def test_disk_full_midway_frees_nothing_and_leaves_no_file(trained, tmp_path):
     """The file may grow to 1 MB only (RLIMIT_FSIZE): the write fails after a few storages."""
-    model, optimizer, snapshot = _trained(model_dir)
+    model, optimizer, snapshot = trained
     offloader = TrainerStateOffloader(model, optimizer, holding_dir=str(tmp_path))
     fds = psutil.Process().num_fds()
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -258,11 +271,11 @@ def test_disk_full_midway_frees_nothing_and_leaves_no_file(model_dir, tmp_path):
     _assert_intact(model, optimizer, snapshot)
 
 
-def test_a_damaged_holding_file_fails_the_reload_cleanly(model_dir, tmp_path):
+def test_a_damaged_holding_file_fails_the_reload_cleanly(trained, tmp_path):
     """A reload that fails partway (here: the file lost its tail) leaves no half-restored state:
     every storage is empty again, the state still counts as offloaded, and the error names the
     directory."""
-    model, optimizer, _ = _trained(model_dir)
+    model, optimizer, _ = trained
     offloader = TrainerStateOffloader(model, optimizer, holding_dir=str(tmp_path))
     held = offloader.offload()
     os.ftruncate(offloader._file.fileno(), held // 2)
@@ -273,8 +286,8 @@ def test_a_damaged_holding_file_fails_the_reload_cleanly(model_dir, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_offload_twice_is_refused_and_reload_without_offload_does_nothing(model_dir, tmp_path):
-    model, optimizer, snapshot = _trained(model_dir)
+def test_offload_twice_is_refused_and_reload_without_offload_does_nothing(trained, tmp_path):
+    model, optimizer, snapshot = trained
     offloader = TrainerStateOffloader(model, optimizer, holding_dir=str(tmp_path))
     offloader.reload()
     offloader.offload()

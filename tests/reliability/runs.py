@@ -38,6 +38,9 @@ EXACT = {
     "trainer.total_steps": 4,
     "trainer.project_name": "p",
     "trainer.experiment_name": "e",
+    # the reward in the driver: the reward pool's 2 processes per fit are not under test here
+    # (tests/test_reward_pool.py); the scores are the same
+    "reward.num_workers": 0,
 }
 
 # the cheapest fits, 1 step: actor + rollout (2 processes instead of EXACT's 6); then one more
