@@ -26,11 +26,11 @@ from controllers import checkpoint
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from controllers.rollout_source import RolloutQueue
 from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
-                               critic_model_path, init_models, load_tokenizer, make_agent_loop, make_data,
-                               make_kl_controller, make_replay, make_reward_manager, make_rollout_source, make_scorer,
-                               place_roles, resolve_model_path, rows_in_memory, start_env_pool, start_ray,
-                               start_worker_groups)
-from controllers.worker_group import WorkerError
+                               critic_model_path, init_models, layout_key, load_tokenizer, make_agent_loop,
+                               make_data, make_kl_controller, make_replay, make_reward_manager, make_rollout_source,
+                               make_scorer, place_roles, reinit_worker_groups, resolve_model_path, rows_in_memory,
+                               start_env_pool, start_ray, start_worker_groups)
+from controllers.worker_group import IDLE_WORKERS, WorkerError
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
 from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
 from rlflow.config import RLFlowConfig, config_to_dict, load_config, micro_batch_token_budget, to_dataclass
@@ -118,9 +118,15 @@ class PPOTrainer:
             self._check_rollout_log_probs(replay.next(0, Timer()).batch, 0)  # before Ray starts
         self.active_roles = enabled_roles(self.roles, cfg)
         start_ray(cfg, self.active_roles)
-        placement = place_roles(cfg, self.active_roles)
-        self.pools = placement.pools
-        start_worker_groups(cfg, self.active_roles, placement, self.groups)  # self.groups: shutdown stops them
+        self.layout_key = layout_key(cfg, self.active_roles)
+        parked = IDLE_WORKERS.claim(self.layout_key)  # the last run's processes, if its layout was this one
+        if parked is None:
+            placement = place_roles(cfg, self.active_roles)
+            self.pools = placement.pools
+            start_worker_groups(cfg, self.active_roles, placement, self.groups)  # self.groups: shutdown stops them
+        else:
+            self.pools = parked[0]
+            reinit_worker_groups(cfg, self.active_roles, parked[1], self.groups)
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
         init_models(self.active_roles, self.groups, context)
@@ -139,6 +145,7 @@ class PPOTrainer:
         cfg = self.cfg
         run_dir = os.path.join(cfg.trainer.default_local_dir, cfg.trainer.project_name, cfg.trainer.experiment_name)
         self.run_dir = run_dir
+        completed = False
         try:
             self.setup()
             start_step = self.maybe_resume()
@@ -167,9 +174,10 @@ class PPOTrainer:
                     except WorkerError as err:
                         raise WorkerError(f"step {step + 1} (of {cfg.trainer.total_steps}): saving: {err}") from err
             self.tracker.close()
+            completed = True
             return self.history
         finally:
-            self.shutdown()
+            self.shutdown(keep_workers=completed)
 
     def train_step(self, step: int) -> dict:
         timer = Timer()
@@ -491,12 +499,18 @@ class PPOTrainer:
     def save_checkpoint(self, step: int) -> None:
         checkpoint.save(self, step)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Stops the run's processes; keep_workers (a run that completed): its worker groups wait
+        trainer.keep_workers_s for the next run in this driver with the same layout (IdleWorkers)."""
         with contextlib.suppress(Exception):
             self.reward_manager.close()  # the reward pool's processes
         if getattr(self, "env_pool", None) is not None:
             with contextlib.suppress(Exception):
                 self.env_pool.close()
+        if keep_workers and self.groups and IDLE_WORKERS.park(getattr(self, "layout_key", None), self.pools,
+                                                              self.groups, self.cfg.trainer.keep_workers_s):
+            self.groups, self.pools = {}, []
+            return
         for group in self.groups.values():
             with contextlib.suppress(Exception):
                 group.kill()

@@ -244,6 +244,28 @@ def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], placement: Pl
             raise errors[0]
 
 
+def layout_key(cfg: RLFlowConfig, roles: dict[str, Role]) -> tuple:
+    """What a run must share with a finished one to take its worker processes (IdleWorkers,
+    controllers/worker_group.py): the roles, their worker classes and ranks, the placement, the
+    workers' environment and the rollout engine."""
+    trainer = cfg.trainer
+    return (trainer.colocate, trainer.cpus_per_worker, cfg.rollout.name, cfg.rollout.tensor_parallel_size,
+            tuple(sorted(worker_env().items())),
+            tuple((name, role.worker_class(), role.num_processes(cfg), role.sp_size(cfg))
+                  for name, role in sorted(roles.items())))
+
+
+def reinit_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], parked: dict[str, RayWorkerGroup],
+                         groups: dict[str, RayWorkerGroup]) -> None:
+    """A finished run's groups (IdleWorkers.claim) as this run's, concurrently, each added to
+    `groups` as it is taken (so that shutdown stops them all if one fails)."""
+    threads = worker_threads(sum(role.num_processes(cfg) for role in roles.values()))
+    groups.update(parked)
+    with ThreadPoolExecutor(max_workers=len(parked)) as executor:
+        for future in [executor.submit(group.reinit, cfg, threads) for group in parked.values()]:
+            future.result()
+
+
 def init_models(roles: dict[str, Role], groups: dict[str, RayWorkerGroup], context: RunContext) -> None:
     """Every role's init call (its model loaded on every rank), all dispatched before any is awaited."""
     inits = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -147,17 +148,37 @@ class RayWorkerGroup:
             if env:
                 options["runtime_env"] = {"env_vars": dict(env)}
             self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size, num_threads))
+        self._form_group()
+
+    def _form_group(self) -> None:
         # which node each rank landed on; a group across nodes binds its collectives to an
         # interface the other nodes reach (trainer.dist_interface, workers/base.py)
         self.node_ids = self._get(self.call_all_async("node_id"), "node_id", startup=True)
         spans_nodes = len(set(self.node_ids)) > 1
         self.network = (self._get(self.call_all_async("bind_network", spans_nodes), "bind_network", startup=True)
-                        if world_size > 1 else [])
+                        if self.world_size > 1 else [])
         # the group picks rank 0's address and a free port on its host
         self.master_addr, master_port = self._get([self.workers[0].node_address.remote(spans_nodes)], "node_address",
                                                   ranks=[0], startup=True)[0]
         self._get(self.call_all_async("init_distributed", self.master_addr, master_port), "init_distributed",
                   startup=True)
+
+    def release(self) -> bool:
+        """The run is over: every rank drops what it built. False (or an error): some rank cannot
+        host another run, and the caller stops the group."""
+        try:
+            return all(self._get(self.call_all_async("release"), "release"))
+        except WorkerError:
+            return False
+
+    def reinit(self, cfg, num_threads: int) -> None:
+        """The same processes as ranks of a new run (after release): constructed again with `cfg`,
+        then the process group forms again."""
+        self.timeout_s = cfg.trainer.remote_timeout_s
+        self.startup_timeout_s = max(cfg.trainer.startup_timeout_s, self.timeout_s)
+        self._get([w.reinit.remote(cfg, rank, self.world_size, num_threads) for rank, w in enumerate(self.workers)],
+                  "reinit", startup=True)
+        self._form_group()
 
     def _labels(self, method: str, ranks) -> list[str]:
         return [f"{self.role} rank {r}: {method}" for r in ranks]
@@ -209,3 +230,69 @@ class RayWorkerGroup:
                 ray.kill(worker, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+
+
+class IdleWorkers:
+    """The worker processes of the last finished run in this driver, kept for the next run with the
+    same layout (the same roles, worker classes, ranks, placement and worker environment): importing
+    torch and transformers costs every new process seconds of CPU, more than a small run's steps.
+    One layout is kept, for trainer.keep_workers_s seconds; a run with another layout stops it first,
+    so its reservations never stand in the new run's way. Only a run that ended without an error parks
+    its workers, and only when every rank released what it held (RayWorkerGroup.release)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._parked = None  # (layout key, Ray job id, pools, {role: group})
+        self._timer: threading.Timer | None = None
+
+    def park(self, key, pools: list, groups: dict, keep_s: float) -> bool:
+        if key is None or keep_s <= 0 or not all(group.release() for group in groups.values()):
+            return False
+        with self._lock:
+            self._stop_locked()
+            self._parked = (key, ray.get_runtime_context().get_job_id(), pools, groups)
+            self._timer = threading.Timer(keep_s, self.stop)
+            self._timer.daemon = True
+            self._timer.start()
+        return True
+
+    def claim(self, key):
+        """(pools, {role: group}) parked under `key` in this Ray session, or None; whatever else is
+        parked is stopped."""
+        with self._lock:
+            parked = self._parked
+            if parked is not None and parked[0] == key and parked[1] == _job_id():
+                self._cancel_timer_locked()
+                self._parked = None
+                return parked[2], parked[3]
+            self._stop_locked()
+            return None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop_locked()
+
+    def _cancel_timer_locked(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _stop_locked(self) -> None:
+        self._cancel_timer_locked()
+        parked, self._parked = self._parked, None
+        if parked is None or parked[1] != _job_id():  # another Ray session: its processes are gone
+            return
+        for group in parked[3].values():
+            group.kill()
+        for pool in parked[2]:
+            try:
+                pool.remove()
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+
+def _job_id() -> str | None:
+    return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+
+
+IDLE_WORKERS = IdleWorkers()

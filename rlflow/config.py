@@ -369,6 +369,9 @@ class TrainerConfig:
     max_staleness: int = 0
     remote_timeout_s: float = 600.0  # every remote call and collective of a step
     startup_timeout_s: float = 900.0  # spawning workers and loading models (at least remote_timeout_s)
+    # a completed run's worker processes wait this long for the next run in the same driver with the
+    # same layout (a notebook's next fit), which then skips their start-up; 0: they stop with the run
+    keep_workers_s: float = 60.0
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
     colocate: bool = True  # all roles share one placement group of bundles
     cpus_per_worker: float = 0.5
@@ -871,6 +874,8 @@ def _check_trainer(cfg: DictConfig) -> None:
     _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
     _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")
     _need(trainer.startup_timeout_s > 0, f"trainer.startup_timeout_s must be > 0, got {trainer.startup_timeout_s}")
+    _need(trainer.keep_workers_s >= 0, f"trainer.keep_workers_s must be >= 0 (0: stop the workers with the run), "
+                                       f"got {trainer.keep_workers_s}")
     _need(trainer.max_to_keep >= 1, f"trainer.max_to_keep must be >= 1, got {trainer.max_to_keep}")
     _need(trainer.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous), got {trainer.max_staleness}")
     if trainer.resume_mode not in ("auto", "disable"):

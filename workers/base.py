@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import socket
@@ -249,6 +250,20 @@ class WorkerBase:
     def shutdown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- one process, several runs (controllers/worker_group.py, IdleWorkers) ----------------------
+    def release(self) -> bool:
+        """The run is over: drop everything it built (models, optimizers, process group) so this
+        process can host a later run's rank. False: it cannot (the driver then stops it)."""
+        self.shutdown()
+        self.__dict__.clear()
+        torch.use_deterministic_algorithms(False)  # a deterministic run set it for the process
+        gc.collect()
+        return True
+
+    def reinit(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1) -> None:
+        """After release(): this rank of a new run, as a freshly spawned worker would be."""
+        type(self).__init__(self, cfg, rank, world_size, num_threads)
 
     # -- helpers ----------------------------------------------------------------------------------
     @property

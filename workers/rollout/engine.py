@@ -64,6 +64,10 @@ class RolloutEngine:
 
     name = "engine"
     sleeping = False  # between sleep() and wake_up()
+    # True: dropping the engine frees all it holds, and its process may host another run's rollout
+    # rank (controllers/worker_group.py, IdleWorkers); an engine that changes the process (threads,
+    # subprocesses, global patches) keeps False and its process stops with the run
+    reusable_process = False
 
     def __init__(self, *, max_response_length: int, pad_token_id: int, eos_token_id: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):

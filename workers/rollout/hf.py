@@ -11,6 +11,8 @@ from workers.rollout.engine import RolloutEngine, register_engine
 class HFRollout(RolloutEngine):
     """transformers' generate, micro-batched over prompts."""
 
+    reusable_process = True  # a model and its tensors: dropped, they are gone
+
     def __init__(
         self,
         model_path: str,

@@ -38,6 +38,15 @@ class RolloutWorker(WorkerBase):
             self.engine.sleep()
         return name
 
+    def release(self) -> bool:
+        """Only an engine that frees all it holds when dropped (RolloutEngine.reusable_process)
+        leaves the process fit for another run; vLLM's engine patches the process for good."""
+        engine = getattr(self, "engine", None)
+        reusable = engine is None or type(engine).reusable_process
+        if engine is not None:
+            engine.shutdown()
+        return super().release() and reusable
+
     @contextlib.contextmanager
     def _awake(self):
         """rollout.sleep: the engine frees its memory (where it can: frees_memory_when_sleeping)

@@ -1,0 +1,99 @@
+"""A completed run parks its worker processes (controllers/worker_group.py, IdleWorkers): the next
+run in the driver with the same layout takes them and trains exactly as on new processes; another
+layout, a failed run or trainer.keep_workers_s=0 stops them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+from conftest import tiny_overrides
+from controllers.worker_group import IDLE_WORKERS, WorkerError
+from trainers import CapturingTrainer
+
+STEPS = 2
+
+
+class PidTrainer(CapturingTrainer):
+    """self.pids: {role: [the process id of each rank]}, read during the first step."""
+
+    def train_step(self, step: int) -> dict:
+        if step == 0:
+            self.pids = {role: ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in group.workers])
+                         for role, group in self.groups.items()}
+        return super().train_step(step)
+
+
+def _fit(model_dir, out, **extra):
+    from rlflow import load_config
+
+    cfg = load_config(None, tiny_overrides(model_dir, **{
+        "algorithm.adv_estimator": "grpo", "reward.num_workers": 0, "trainer.total_steps": STEPS,
+        "trainer.deterministic": True, "trainer.default_local_dir": str(out), **extra}))
+    trainer = PidTrainer(cfg)
+    return trainer, trainer.fit()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _all_exit(pids, within_s: float = 20.0) -> bool:
+    """ray.kill returns before the process is gone: poll until every pid has exited."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _same_run(a, b):
+    keys = [k for k in a[1][0] if not k.startswith(("timing/", "perf/", "memory/"))]
+    assert [[h[k] for k in keys] for h in a[1]] == [[h[k] for k in keys] for h in b[1]]
+    for role, weights in a[0].final_weights.items():
+        assert all(torch.equal(weights[name], b[0].final_weights[role][name]) for name in weights), role
+
+
+def test_the_next_run_with_the_same_layout_takes_the_processes_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
+    IDLE_WORKERS.stop()
+    first = _fit(tiny_model_dir, tmp_path / "a")
+    second = _fit(tiny_model_dir, tmp_path / "b")
+    assert second[0].pids == first[0].pids, "the second run ran on the first run's processes"
+    _same_run(first, second)
+
+    # another layout (a critic joins): the parked processes stop, new ones start
+    third = _fit(tiny_model_dir, tmp_path / "c", **{"algorithm.adv_estimator": "gae"})
+    old = [pid for pids in second[0].pids.values() for pid in pids]
+    assert not set(old) & {pid for pids in third[0].pids.values() for pid in pids}
+    assert _all_exit(old), "the parked processes of the other layout were stopped"
+    IDLE_WORKERS.stop()
+    assert _all_exit([pid for pids in third[0].pids.values() for pid in pids])
+
+
+def test_keep_workers_s_0_and_a_failed_run_stop_the_processes(ray_session, tiny_model_dir, tmp_path):
+    IDLE_WORKERS.stop()
+    trainer, _ = _fit(tiny_model_dir, tmp_path / "a", **{"trainer.keep_workers_s": 0})
+    assert _all_exit([pid for pids in trainer.pids.values() for pid in pids])
+
+    class FailingTrainer(PidTrainer):
+        def train_step(self, step):
+            metrics = super().train_step(step)
+            raise WorkerError("injected after the first step")
+
+    from rlflow import load_config
+
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+        "algorithm.adv_estimator": "grpo", "reward.num_workers": 0, "trainer.default_local_dir": str(tmp_path / "b")}))
+    failing = FailingTrainer(cfg)
+    with pytest.raises(WorkerError, match="injected"):
+        failing.fit()
+    assert _all_exit([pid for pids in failing.pids.values() for pid in pids]), "a failed run parks nothing"
