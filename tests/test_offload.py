@@ -356,9 +356,14 @@ def fits(ray_session, tmp_path_factory):
     state arrives through Ray, in buffers that cannot be resized: the offloader copies them)."""
     from exactness_helpers import build_varied_length_model, run_fit
 
+    from controllers.worker_group import IDLE_WORKERS
+
     model_dir = build_varied_length_model(str(tmp_path_factory.mktemp("offload_model")))
     runs, dirs = {}, {}
     for name, overrides in (("resident", FIT), ("offloaded", {**FIT, **OFFLOADED})):
+        # the memory compared is resident memory, which depends on what a process ran before (freed
+        # tensors stay in the allocator's heap): each measured run starts on new processes
+        IDLE_WORKERS.stop()
         dirs[name] = str(tmp_path_factory.mktemp(f"offload_{name}"))
         runs[name] = run_fit(model_dir, dirs[name], **overrides)
     step1 = os.path.join(dirs["offloaded"], "rlflow", "default", "checkpoints", "step_1")

@@ -183,9 +183,14 @@ def live_workers() -> set[str]:
 
 
 def assert_no_new_workers(before: set[str], wait_s: float = 15.0) -> None:
-    """Whatever a fit started is gone (ray.kill and placement-group removal are asynchronous)."""
+    """Whatever a fit started is gone (ray.kill and placement-group removal are asynchronous),
+    once the workers a completed run parked for the next run (IdleWorkers) are stopped: only those
+    may outlive a fit."""
     import time
 
+    from controllers.worker_group import IDLE_WORKERS
+
+    IDLE_WORKERS.stop()
     deadline = time.monotonic() + wait_s
     while True:
         left = sorted(live_workers() - before)
