@@ -15,6 +15,10 @@ from tensordict import TensorDict
 from workers.wire import install as install_tensor_wire
 
 
+# how long a new placement group waits before a set of parked processes stops to make room
+ROOM_WAIT_S = 0.2
+
+
 class WorkerError(RuntimeError):
     """A remote call failed; the message names the role, rank and call."""
 
@@ -37,7 +41,14 @@ class ResourcePool:
         if self.gpus_per_bundle:
             bundle["GPU"] = self.gpus_per_bundle
         self.pg = placement_group([dict(bundle) for _ in range(self.num_bundles)], strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=self.timeout_s)
+        # processes parked by earlier runs (IdleWorkers) never stand in the way: while the group
+        # waits, they stop, least recently used first
+        deadline = time.monotonic() + self.timeout_s
+        ready, _ = ray.wait([self.pg.ready()], timeout=min(ROOM_WAIT_S, self.timeout_s))
+        while not ready and IDLE_WORKERS.stop_one():
+            ready, _ = ray.wait([self.pg.ready()], timeout=ROOM_WAIT_S)
+        if not ready:
+            ready, _ = ray.wait([self.pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             remove_placement_group(self.pg)
             raise WorkerError(
@@ -233,58 +244,84 @@ class RayWorkerGroup:
 
 
 class IdleWorkers:
-    """The worker processes of the last finished run in this driver, kept for the next run with the
-    same layout (the same roles, worker classes, ranks, placement and worker environment): importing
+    """The worker processes of finished runs in this driver, kept for later runs with the same
+    layout (the same roles, worker classes, ranks, placement and worker environment): importing
     torch and transformers costs every new process seconds of CPU, more than a small run's steps.
-    One layout is kept, for trainer.keep_workers_s seconds; a run with another layout stops it first,
-    so its reservations never stand in the new run's way. Only a run that ended without an error parks
+    Each parked set waits trainer.keep_workers_s; at most MAX_PARKED_PROCESSES wait in all (the
+    least recently parked stop first), and a run whose placement group cannot be reserved stops
+    them one set at a time until it can (ResourcePool). Only a run that ended without an error parks
     its workers, and only when every rank released what it held (RayWorkerGroup.release)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._parked = None  # (layout key, Ray job id, pools, {role: group})
-        self._timer: threading.Timer | None = None
+        self._parked: list[_Parked] = []  # least recently parked first
 
     def park(self, key, pools: list, groups: dict, keep_s: float) -> bool:
         if key is None or keep_s <= 0 or not all(group.release() for group in groups.values()):
             return False
+        entry = _Parked(key, _job_id(), pools, groups, threading.Timer(keep_s, self._expire, args=(None,)))
+        entry.timer.args = (entry,)
+        entry.timer.daemon = True
         with self._lock:
-            self._stop_locked()
-            self._parked = (key, ray.get_runtime_context().get_job_id(), pools, groups)
-            self._timer = threading.Timer(keep_s, self.stop)
-            self._timer.daemon = True
-            self._timer.start()
+            self._parked.append(entry)
+            stopping = []
+            while sum(e.num_processes for e in self._parked) > MAX_PARKED_PROCESSES:
+                stopping.append(self._parked.pop(0))
+        entry.timer.start()
+        for old in stopping:
+            old.stop()
         return True
 
     def claim(self, key):
-        """(pools, {role: group}) parked under `key` in this Ray session, or None; whatever else is
-        parked is stopped."""
+        """(pools, {role: group}) parked under `key` in this Ray session, or None."""
         with self._lock:
-            parked = self._parked
-            if parked is not None and parked[0] == key and parked[1] == _job_id():
-                self._cancel_timer_locked()
-                self._parked = None
-                return parked[2], parked[3]
-            self._stop_locked()
-            return None
+            for entry in reversed(self._parked):
+                if entry.key == key and entry.job_id == _job_id():
+                    self._parked.remove(entry)
+                    entry.timer.cancel()
+                    return entry.pools, entry.groups
+        return None
+
+    def stop_one(self) -> bool:
+        """Stops the least recently parked set; False when none waits."""
+        with self._lock:
+            entry = self._parked.pop(0) if self._parked else None
+        if entry is None:
+            return False
+        entry.stop()
+        return True
 
     def stop(self) -> None:
+        while self.stop_one():
+            pass
+
+    def _expire(self, entry) -> None:
         with self._lock:
-            self._stop_locked()
+            if entry not in self._parked:
+                return
+            self._parked.remove(entry)
+        entry.stop()
 
-    def _cancel_timer_locked(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
-    def _stop_locked(self) -> None:
-        self._cancel_timer_locked()
-        parked, self._parked = self._parked, None
-        if parked is None or parked[1] != _job_id():  # another Ray session: its processes are gone
+@dataclass(eq=False)
+class _Parked:
+    key: tuple
+    job_id: str | None
+    pools: list
+    groups: dict
+    timer: threading.Timer
+
+    @property
+    def num_processes(self) -> int:
+        return sum(group.world_size for group in self.groups.values())
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.job_id != _job_id():  # another Ray session: its processes are gone
             return
-        for group in parked[3].values():
+        for group in self.groups.values():
             group.kill()
-        for pool in parked[2]:
+        for pool in self.pools:
             try:
                 pool.remove()
             except Exception:  # noqa: BLE001 - already removed
@@ -295,4 +332,5 @@ def _job_id() -> str | None:
     return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
 
 
+MAX_PARKED_PROCESSES = 16  # each holds its imports (~0.3 GB resident on CPU)
 IDLE_WORKERS = IdleWorkers()

@@ -1,6 +1,7 @@
-"""A completed run parks its worker processes (controllers/worker_group.py, IdleWorkers): the next
-run in the driver with the same layout takes them and trains exactly as on new processes; another
-layout, a failed run or trainer.keep_workers_s=0 stops them."""
+"""A completed run parks its worker processes (controllers/worker_group.py, IdleWorkers): a later
+run in the driver with the same layout takes them and trains exactly as on new processes; a run
+that cannot reserve its placement while they wait stops them; a failed run or
+trainer.keep_workers_s=0 parks nothing."""
 
 from __future__ import annotations
 
@@ -63,20 +64,28 @@ def _same_run(a, b):
         assert all(torch.equal(weights[name], b[0].final_weights[role][name]) for name in weights), role
 
 
-def test_the_next_run_with_the_same_layout_takes_the_processes_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
+def test_a_later_run_with_the_same_layout_takes_the_processes_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
     IDLE_WORKERS.stop()
     first = _fit(tiny_model_dir, tmp_path / "a")
     second = _fit(tiny_model_dir, tmp_path / "b")
     assert second[0].pids == first[0].pids, "the second run ran on the first run's processes"
     _same_run(first, second)
 
-    # another layout (a critic joins): the parked processes stop, new ones start
+    # another layout (a critic joins) starts its own processes; the first layout's keep waiting
     third = _fit(tiny_model_dir, tmp_path / "c", **{"algorithm.adv_estimator": "gae"})
-    old = [pid for pids in second[0].pids.values() for pid in pids]
-    assert not set(old) & {pid for pids in third[0].pids.values() for pid in pids}
-    assert _all_exit(old), "the parked processes of the other layout were stopped"
+    grpo_pids = [pid for pids in first[0].pids.values() for pid in pids]
+    gae_pids = [pid for pids in third[0].pids.values() for pid in pids]
+    assert not set(grpo_pids) & set(gae_pids)
+    fourth = _fit(tiny_model_dir, tmp_path / "d")
+    assert fourth[0].pids == first[0].pids
+    _same_run(first, fourth)
+
+    # a run whose placement group does not fit beside the parked sets (the session's Ray has 8
+    # CPUs; a bundle of 2 roles x 3.5) stops them to make room
+    big = _fit(tiny_model_dir, tmp_path / "e", **{"trainer.cpus_per_worker": 3.5})
+    assert _all_exit(grpo_pids + gae_pids), "the parked sets stopped for the run that needed their CPUs"
     IDLE_WORKERS.stop()
-    assert _all_exit([pid for pids in third[0].pids.values() for pid in pids])
+    assert _all_exit([pid for pids in big[0].pids.values() for pid in pids])
 
 
 def test_keep_workers_s_0_and_a_failed_run_stop_the_processes(ray_session, tiny_model_dir, tmp_path):

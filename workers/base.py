@@ -259,6 +259,8 @@ class WorkerBase:
         self.__dict__.clear()
         torch.use_deterministic_algorithms(False)  # a deterministic run set it for the process
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the allocator's cached blocks: the device's memory, not the process's
         return True
 
     def reinit(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1) -> None:
