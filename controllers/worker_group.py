@@ -332,5 +332,5 @@ def _job_id() -> str | None:
     return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
 
 
-MAX_PARKED_PROCESSES = 16  # each holds its imports (~0.3 GB resident on CPU)
+MAX_PARKED_PROCESSES = 24  # each holds its imports (~0.3 GB resident on CPU)
 IDLE_WORKERS = IdleWorkers()

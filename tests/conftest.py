@@ -17,7 +17,9 @@ def ray_session():
     from controllers.cluster import local_ray_options
 
     if not ray.is_initialized():
-        ray.init(**local_ray_options(num_cpus=8, log_to_driver=False))  # as rlflow starts a local Ray
+        # as rlflow starts a local Ray; 16 logical CPUs: room for the worker sets that completed fits
+        # park for later fits of the same layout (controllers/worker_group.py, IdleWorkers)
+        ray.init(**local_ray_options(num_cpus=16, log_to_driver=False))
     yield ray
     ray.shutdown()
 
