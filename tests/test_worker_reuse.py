@@ -80,10 +80,10 @@ def test_a_later_run_with_the_same_layout_takes_the_processes_and_trains_exactly
     assert fourth[0].pids == first[0].pids
     _same_run(first, fourth)
 
-    # a run whose placement group does not fit beside the parked sets (one bundle of 2 roles taking
-    # all but 1 of the session's CPUs; the two parked sets hold 2.5) stops them to make room
+    # a run whose placement group does not fit beside either parked set (one bundle of 2 roles
+    # taking all but 0.5 of the session's CPUs; the parked sets hold 1.0 and 1.5) stops both
     cpus = float(ray.cluster_resources()["CPU"])
-    big = _fit(tiny_model_dir, tmp_path / "e", **{"trainer.cpus_per_worker": (cpus - 1) / 2})
+    big = _fit(tiny_model_dir, tmp_path / "e", **{"trainer.cpus_per_worker": (cpus - 0.5) / 2})
     assert _all_exit(grpo_pids + gae_pids), "the parked sets stopped for the run that needed their CPUs"
     IDLE_WORKERS.stop()
     assert _all_exit([pid for pids in big[0].pids.values() for pid in pids])
