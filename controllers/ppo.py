@@ -30,7 +30,7 @@ from controllers.setup import (check_env_and_reward_model, check_reward_fn, choo
                                make_data, make_kl_controller, make_replay, make_reward_manager, make_rollout_source,
                                make_scorer, place_roles, reinit_worker_groups, resolve_model_path, rows_in_memory,
                                start_env_pool, start_ray, start_worker_groups)
-from controllers.worker_group import IDLE_WORKERS, WorkerError
+from controllers.worker_group import IDLE_WORKERS, WorkerError, stop_workers
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
 from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
 from rlflow.config import RLFlowConfig, config_to_dict, load_config, micro_batch_token_budget, to_dataclass
@@ -511,12 +511,7 @@ class PPOTrainer:
                                                               self.groups, self.cfg.trainer.keep_workers_s):
             self.groups, self.pools = {}, []
             return
-        for group in self.groups.values():
-            with contextlib.suppress(Exception):
-                group.kill()
-        for pool in self.pools:
-            with contextlib.suppress(Exception):
-                pool.remove()
+        stop_workers(self.groups.values(), self.pools)
         self.groups, self.pools = {}, []
 
 

@@ -139,9 +139,7 @@ class RayWorkerGroup:
         # ranks [g*sp, (g+1)*sp) split the sequences of data-parallel rank g (workers/sequence.py)
         self.sp_size = sp_size
         self.dp_size = world_size // sp_size
-        self.timeout_s = cfg.trainer.remote_timeout_s
-        # spawning processes and loading models legitimately takes longer than one step's call
-        self.startup_timeout_s = max(cfg.trainer.startup_timeout_s, self.timeout_s)
+        self._set_timeouts(cfg)
         if world_size > pool.num_bundles:
             raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
         remote_cls = ray.remote(worker_cls)
@@ -160,6 +158,11 @@ class RayWorkerGroup:
                 options["runtime_env"] = {"env_vars": dict(env)}
             self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size, num_threads))
         self._form_group()
+
+    def _set_timeouts(self, cfg) -> None:
+        self.timeout_s = cfg.trainer.remote_timeout_s
+        # spawning processes and loading models legitimately takes longer than one step's call
+        self.startup_timeout_s = max(cfg.trainer.startup_timeout_s, self.timeout_s)
 
     def _form_group(self) -> None:
         # which node each rank landed on; a group across nodes binds its collectives to an
@@ -185,8 +188,7 @@ class RayWorkerGroup:
     def reinit(self, cfg, num_threads: int) -> None:
         """The same processes as ranks of a new run (after release): constructed again with `cfg`,
         then the process group forms again."""
-        self.timeout_s = cfg.trainer.remote_timeout_s
-        self.startup_timeout_s = max(cfg.trainer.startup_timeout_s, self.timeout_s)
+        self._set_timeouts(cfg)
         self._get([w.reinit.remote(cfg, rank, self.world_size, num_threads) for rank, w in enumerate(self.workers)],
                   "reinit", startup=True)
         self._form_group()
@@ -259,8 +261,8 @@ class IdleWorkers:
     def park(self, key, pools: list, groups: dict, keep_s: float) -> bool:
         if key is None or keep_s <= 0 or not all(group.release() for group in groups.values()):
             return False
-        entry = _Parked(key, _job_id(), pools, groups, threading.Timer(keep_s, self._expire, args=(None,)))
-        entry.timer.args = (entry,)
+        entry = _Parked(key, _job_id(), pools, groups)
+        entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
         entry.timer.daemon = True
         with self._lock:
             self._parked.append(entry)
@@ -309,23 +311,31 @@ class _Parked:
     job_id: str | None
     pools: list
     groups: dict
-    timer: threading.Timer
+    timer: threading.Timer | None = None  # set by park: stops this set after trainer.keep_workers_s
 
     @property
     def num_processes(self) -> int:
         return sum(group.world_size for group in self.groups.values())
 
     def stop(self) -> None:
-        self.timer.cancel()
-        if self.job_id != _job_id():  # another Ray session: its processes are gone
-            return
-        for group in self.groups.values():
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.job_id == _job_id():  # in another Ray session its processes are gone already
+            stop_workers(self.groups.values(), self.pools)
+
+
+def stop_workers(groups, pools) -> None:
+    """Kills the groups' processes and removes their placement groups (what is gone already is skipped)."""
+    for group in groups:
+        try:
             group.kill()
-        for pool in self.pools:
-            try:
-                pool.remove()
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    for pool in pools:
+        try:
+            pool.remove()
+        except Exception:  # noqa: BLE001 - already removed
+            pass
 
 
 def _job_id() -> str | None:

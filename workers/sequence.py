@@ -173,7 +173,7 @@ def _sdpa_per_sequence(query, key, value, boundaries: torch.Tensor, scaling) -> 
     lengths = boundaries[1:] - boundaries[:-1]
     num_sequences, longest, total = lengths.numel(), int(lengths.max()), int(boundaries[-1])
     if num_sequences > 1 and num_sequences * longest <= 2 * total:
-        return _sdpa_right_padded(query, key, value, boundaries, longest, scaling)
+        return _sdpa_right_padded(query, key, value, boundaries, lengths, longest, scaling)
     # split, not slices: the backward of a slice fills a zero gradient of the whole row per sequence
     sizes = lengths.tolist()
     outputs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
@@ -182,9 +182,10 @@ def _sdpa_per_sequence(query, key, value, boundaries: torch.Tensor, scaling) -> 
     return torch.cat(outputs, dim=2)
 
 
-def _sdpa_right_padded(query, key, value, boundaries: torch.Tensor, longest: int, scaling) -> torch.Tensor:
+def _sdpa_right_padded(query, key, value, boundaries: torch.Tensor, lengths: torch.Tensor, longest: int,
+                       scaling) -> torch.Tensor:
     """[1, H, L, D] packed -> each sequence in a row of [S, H, longest, D] -> one causal sdpa -> back."""
-    lengths = (boundaries[1:] - boundaries[:-1]).long()
+    lengths = lengths.long()
     sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
     offset = torch.arange(sequence.numel(), device=lengths.device) - boundaries[:-1].long()[sequence]
     slot = sequence * longest + offset  # each packed token's place in the padded layout

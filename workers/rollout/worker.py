@@ -43,9 +43,7 @@ class RolloutWorker(WorkerBase):
         leaves the process fit for another run; vLLM's engine patches the process for good."""
         engine = getattr(self, "engine", None)
         reusable = engine is None or type(engine).reusable_process
-        if engine is not None:
-            engine.shutdown()
-        return super().release() and reusable
+        return super().release() and reusable  # release() -> shutdown() stops the engine
 
     @contextlib.contextmanager
     def _awake(self):
