@@ -197,7 +197,10 @@ class WorkerBase:
                 "nccl": os.environ.get("NCCL_SOCKET_IFNAME")}
 
     def node_address(self, spans_nodes: bool = False) -> tuple[str, int]:
-        """Where rank 0 listens for the process group: a host and a free port there.
+        """Where rank 0 listens for the process group: a host and the port its store listens on.
+
+        The store listens from here on (the OS picks the port), so no other process can take the
+        port between this call and init_distributed, as one could with a port only found free.
 
         trainer.dist_interface: an interface name -> its IPv4 address on this node; an IP -> that
         IP (it must be this node's); null -> this node's IP as Ray sees it when the group spans
@@ -215,25 +218,35 @@ class WorkerBase:
         else:
             host = "127.0.0.1" if self.device.type == "cpu" else socket.gethostbyname(socket.gethostname())
         try:
-            return host, free_port(host)
+            free_port(host)  # fails at once where the host is not this node's (the store would retry)
         except OSError as err:
             if not setting:
                 raise
             raise ValueError(f"{DIST_KEY}={setting!r}: {host} is not an address {where} can listen on "
                              f"({err}); set rank 0's node IP, an interface name, or null") from err
+        self._rendezvous_store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                               timeout=self._rendezvous_timeout())
+        return host, self._rendezvous_store.port
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         if self.world_size == 1:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        store = self.__dict__.pop("_rendezvous_store", None)  # rank 0's, listening since node_address
+        if store is None:
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False,
+                                  timeout=self._rendezvous_timeout())
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=self.cfg.trainer.remote_timeout_s),
+            timeout=self._rendezvous_timeout(),
         )
         self.sequence_parallel = sequence_parallel_groups(self.rank, self.world_size, self.sp_size)
+
+    def _rendezvous_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.cfg.trainer.remote_timeout_s)
 
     def ping(self) -> int:
         return self.rank

@@ -221,19 +221,22 @@ def test_get_with_timeout_names_the_late_call(ray_session):
 
 
 def test_collective_timeout_comes_from_config(monkeypatch, tiny_model_dir):
-    """The gloo/nccl side: init_process_group gets trainer.remote_timeout_s."""
+    """The gloo/nccl side: init_process_group and the store rank 1 joins get trainer.remote_timeout_s."""
     import torch.distributed as dist
 
     from rlflow.config import to_dataclass
     from workers.base import WorkerBase
 
     cfg = to_dataclass(runs.make_config(tiny_model_dir, "/nonexistent", **{"trainer.remote_timeout_s": 42}))
-    seen = {}
+    seen, store_seen = {}, {}
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: store_seen.update(kwargs, args=args) or "store")
     worker = object.__new__(WorkerBase)
     worker.cfg, worker.rank, worker.world_size, worker.device = cfg, 1, 2, torch.device("cpu")
     worker.init_distributed("127.0.0.1", 12345)
     assert seen["timeout"] == datetime.timedelta(seconds=42) and seen["rank"] == 1 and seen["world_size"] == 2
+    assert seen["store"] == "store" and store_seen["args"] == ("127.0.0.1", 12345, 2)
+    assert store_seen["timeout"] == datetime.timedelta(seconds=42) and store_seen["is_master"] is False
 
 
 def test_fault_specs_are_checked():
