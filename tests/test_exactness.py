@@ -50,9 +50,10 @@ SGD_LR = {"actor": 0.05, "critic": 0.0075}
 # One algorithm setting per family; the five loss_agg_modes each appear once for the actor and
 # once for the critic in F1-F5. F1 is also the generating (recorded) configuration.
 FAMILIES = {
+    # KL in the loss (a reference worker) in F1, F2, F4 and S1: F1's layouts then have S1's roles and
+    # ranks, so each F1 fit takes the worker processes an S1 fit of that layout left (IdleWorkers)
     "F1": {"actor.loss_agg_mode": "token-mean", "critic.loss_agg_mode": "seq-mean-token-mean",
-           "actor.grad_clip": 0.5},  # clipping active: the actor's grad norm is 1.5-5 here
-    # KL in the loss (a reference worker) in F2, F4 and S1 only: each reference is one more process
+           "actor.grad_clip": 0.5, "actor.use_kl_loss": True},  # clipping active: the actor's grad norm is 1.5-5 here
     "F2": {"actor.loss_agg_mode": "seq-mean-token-sum", "critic.loss_agg_mode": "token-mean",
            "actor.use_kl_loss": True},
     # the critic inherits the actor's loss_scale_factor (5, deliberately not max_response_length)
