@@ -49,6 +49,9 @@ def tiny_overrides(model_dir: str, **extra) -> list[str]:
         "trainer.val_before_train": False,
         "trainer.logger": "[jsonl]",
         "trainer.remote_timeout_s": 120,
+        # rewards scored in the driver: the reward pool's processes (2 per fit) are what
+        # tests/test_reward_pool.py and the tests that set reward.num_workers test
+        "reward.num_workers": 0,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -16,15 +16,14 @@ from trainers import CapturingTrainer
 from rlflow import load_config
 from rlflow.protocol import BatchMeta
 
-# the reward in the driver, for the fits that are not about the default setup: the reward pool's 2
-# processes per fit are not what they test (tests/test_reward_pool.py)
-DRIVER_REWARD = {"reward.num_workers": 0}
+# the default setup's reward pool (tiny_overrides scores in the driver), in the fits about it
+REWARD_POOL = {"reward.num_workers": 2}
 
 
 def test_ppo_dp2_actor_and_critic_receive_driver_metadata(ray_session, tiny_model_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(
         tiny_model_dir, **{"actor.dp_size": 2, "actor.ppo_micro_batch_size_per_gpu": 2, "trainer.total_steps": 2,
-                           "trainer.default_local_dir": str(tmp_path)}))
+                           "trainer.default_local_dir": str(tmp_path), **REWARD_POOL}))
     trainer = PPOTrainer(cfg, worker_classes=INSPECTABLE)
     trainer.setup()
     try:
@@ -82,7 +81,7 @@ def _weight_share_files() -> set[str]:
 def test_weight_sync_changes_rollout_outputs(ray_session, tiny_model_dir, tmp_path, mode):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"actor.optim.lr": 0.05, "actor.grad_clip": 100.0,
                                                              "rollout.weight_sync": mode,
-                                                             "trainer.default_local_dir": str(tmp_path), **DRIVER_REWARD}))
+                                                             "trainer.default_local_dir": str(tmp_path)}))
     files_before = _weight_share_files()
     trainer = PPOTrainer(cfg, worker_classes=INSPECTABLE)
     trainer.setup()
@@ -113,7 +112,7 @@ def test_fit_uses_an_already_initialised_ray_and_returns_history(ray_session, ti
     assert ray_session.is_initialized()
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"trainer.total_steps": 2, "trainer.test_freq": 2,
                                                              "trainer.val_before_train": True,
-                                                             "trainer.default_local_dir": str(tmp_path)}))
+                                                             "trainer.default_local_dir": str(tmp_path), **REWARD_POOL}))
     history = RLFlow(cfg).fit()
     assert ray_session.is_initialized()  # fit did not shut down the caller's Ray
     assert [h["step"] for h in history] == [0, 1, 2]
@@ -130,7 +129,7 @@ def _one_on_policy_grpo_step(tmp_path, model_dir, name: str, skip: bool,
     cfg = load_config(None, tiny_overrides(model_dir, **{
         "algorithm.adv_estimator": "grpo", "actor.ppo_mini_batch_size": 16, "trainer.total_steps": 1,
         "trainer.deterministic": True, "actor.skip_old_log_prob_when_on_policy": skip,
-        "trainer.default_local_dir": str(tmp_path / name), **DRIVER_REWARD}))
+        "trainer.default_local_dir": str(tmp_path / name)}))
     trainer = CapturingTrainer(cfg, worker_classes=worker_classes)
     history = trainer.fit()
     return history[-1], trainer.final_weights["actor"]
@@ -173,7 +172,7 @@ def test_every_advantage_estimator_runs_three_steps(ray_session, tiny_model_dir,
     record = str(tmp_path / "rollouts")
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": estimator, "trainer.total_steps": 3, "trainer.default_local_dir": str(tmp_path),
-        "trainer.record_rollouts": record, **DRIVER_REWARD}))
+        "trainer.record_rollouts": record}))
     trainer = PPOTrainer(cfg)
     history = trainer.fit()
     steps = [h for h in history if "actor/pg_loss" in h]

@@ -149,7 +149,8 @@ def test_an_unpicklable_reward_fn_fails_clearly_before_ray_starts(tiny_model_dir
             return 0.0
 
     with pytest.raises(TypeError, match=r"reward_fn .*locked_reward.* cannot be pickled.*reward.num_workers=0"):
-        RLFlow(_cfg(tiny_model_dir, tmp_path, "lock"), train_dataset=_rows(8), reward_fn=locked_reward)
+        RLFlow(_cfg(tiny_model_dir, tmp_path, "lock", **{"reward.num_workers": 2}), train_dataset=_rows(8),
+               reward_fn=locked_reward)
     # in the driver it needs no pickling
     PPOTrainer(_cfg(tiny_model_dir, tmp_path, "lock0", **{"reward.num_workers": 0}), reward_fn=locked_reward)
     with pytest.raises(TypeError, match="reward_fn must be a callable"):

@@ -295,7 +295,7 @@ def test_fit_with_a_hanging_and_a_crashing_reward(ray_session, tiny_model_dir, t
     reward.write_text(E2E_REWARD.format(markers=str(markers)))
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "algorithm.adv_estimator": "grpo", "reward.custom_function.path": str(reward), "reward.on_error": "zero",
-        "reward.timeout_s": 2, "trainer.default_local_dir": str(tmp_path)}))
+        "reward.timeout_s": 2, "reward.num_workers": 2, "trainer.default_local_dir": str(tmp_path)}))
     before = live_workers()
     start = time.monotonic()
     history = RLFlow(cfg).fit()
