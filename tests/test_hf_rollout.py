@@ -57,6 +57,21 @@ def test_sampled_log_probs_equal_the_actors(tiny_model_dir, temperature):
     assert "rollout_log_probs" not in plain.keys() and torch.equal(plain["responses"], out["responses"])
 
 
+def test_sampled_tokens_follow_the_models_distribution(tiny_model_dir, temperature=0.7):
+    """Every sampled token's randomised PIT under the model is uniform (tests/sampling_check.py);
+    a sampler that reuses one noise vector for a whole response fails the same check."""
+    from sampling_check import assert_samples_follow, fixed_noise_rollout, sampling_errors
+
+    engine = _engine(tiny_model_dir, temperature=temperature)
+    prompts = _prompts(engine.model.config.vocab_size, engine.pad_token_id)
+    out = engine.generate(prompts, n=128, do_sample=True, seed=5)
+    assert_samples_follow(engine.model, out, temperature, f"HF generate at T={temperature}")
+    biased = fixed_noise_rollout(engine.model, prompts, 128, 6, temperature, engine.pad_token_id, engine.eos_token_id)
+    ks_fraction, z, _ = sampling_errors(engine.model, biased, temperature)
+    print(f"one noise vector per response: KS distance {ks_fraction:.2f} of critical, neighbour correlation z {z:+.2f}")
+    assert abs(z) > 4  # it fails the check the engine passes
+
+
 def test_top_k_log_probs_are_the_truncated_distributions(tiny_model_dir):
     top_k, temperature = 5, 0.8
     engine = _engine(tiny_model_dir, temperature=temperature, top_k=top_k)

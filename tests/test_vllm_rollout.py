@@ -173,6 +173,30 @@ def test_generate_layout_and_log_probs(ray_session, engine, tok, tiny_model_dir)
     _check_layout(plain, batch, 1, tok)
 
 
+def test_sampled_tokens_follow_the_distribution_of_the_weights_held(ray_session, engine, tok, tiny_model_dir):
+    """vLLM's seeded sampling (a seed per row, as the rollout sends) draws each token from the
+    model's distribution at the temperature (the randomised PIT of every token is uniform:
+    tests/sampling_check.py), on the weights it started with and on weights loaded by a sync."""
+    from sampling_check import assert_samples_follow
+
+    ray = ray_session
+    batch = _batch(tok)
+    model = _hf_model(tiny_model_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    out = _gen(ray, engine, batch, n=128, do_sample=True, seed=21)
+    assert_samples_follow(model, out, TEMPERATURE, "vLLM, the weights it loaded")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * param.std() * torch.randn(param.shape, generator=generator))
+    try:
+        ray.get(engine.load_weights.remote(model.state_dict()), timeout=300)
+        out = _gen(ray, engine, batch, n=128, do_sample=True, seed=22)
+        assert_samples_follow(model, out, TEMPERATURE, "vLLM, weights loaded by a sync")
+    finally:
+        ray.get(engine.load_weights.remote(original), timeout=300)
+
+
 def test_greedy_is_deterministic_and_argmax(ray_session, engine, tok, tiny_model_dir):
     batch = _batch(tok)
     a = _gen(ray_session, engine, batch, n=2, do_sample=False, return_log_probs=True)
