@@ -17,22 +17,28 @@ KS_CRITICAL = 1.95
 
 
 @torch.no_grad()
-def pit_values(model, out: TensorDict, temperature: float, seed: int = 0, rows: bool = False):
-    """One value per response token (response_mask), each row scored unpadded; with rows=True a
-    list of each row's values instead."""
-    generator = torch.Generator().manual_seed(seed)
+def response_logits(model, out: TensorDict):
+    """(row, its response tokens, the logits that predict them) for each row of a rollout batch,
+    the row run unpadded, so nothing depends on padding conventions."""
     width = out["prompts"].shape[1]
-    values = []
     for row in range(out.batch_size[0]):
         prompt = out["prompts"][row][out["attention_mask"][row, :width].bool()]
         length = int(out["response_mask"][row].sum())
         response = out["responses"][row, :length]
         ids = torch.cat([prompt, response])[None]
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
-        probs = logits.softmax(-1)
+        yield row, response, model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+
+
+@torch.no_grad()
+def pit_values(model, out: TensorDict, temperature: float, seed: int = 0, rows: bool = False):
+    """One value per response token (response_mask); with rows=True a list of each row's values."""
+    generator = torch.Generator().manual_seed(seed)
+    values = []
+    for _, response, logits in response_logits(model, out):
+        probs = (logits.double() / temperature).softmax(-1)
         below = (probs.cumsum(-1) - probs).gather(-1, response[:, None])[:, 0]  # mass of the tokens before
         chosen = probs.gather(-1, response[:, None])[:, 0]
-        values.append(below + torch.rand(length, generator=generator, dtype=torch.float64) * chosen)
+        values.append(below + torch.rand(len(response), generator=generator, dtype=torch.float64) * chosen)
     return values if rows else torch.cat(values)
 
 

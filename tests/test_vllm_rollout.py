@@ -107,15 +107,12 @@ def _gen(ray, engine, batch, **kw) -> TensorDict:
 
 @torch.no_grad()
 def _hf_log_probs(model, out: TensorDict, temperature: float = 1.0) -> torch.Tensor:
-    P = out["prompts"].shape[1]
+    from sampling_check import response_logits
+
     result = torch.zeros(out["responses"].shape, dtype=torch.float32)
-    for row in range(out.batch_size[0]):
-        prompt = out["prompts"][row][out["attention_mask"][row, :P].bool()]
-        length = int(out["response_mask"][row].sum())
-        response = out["responses"][row, :length]
-        ids = torch.cat([prompt, response])[None]
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-        result[row, :length] = logits.log_softmax(-1).gather(-1, response[:, None])[:, 0]
+    for row, response, logits in response_logits(model, out):
+        log_probs = (logits.float() / temperature).log_softmax(-1)
+        result[row, : len(response)] = log_probs.gather(-1, response[:, None])[:, 0]
     return result
 
 
