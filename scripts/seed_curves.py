@@ -112,7 +112,7 @@ def plot(curves: dict[tuple[str, int], list[tuple[int, float, float]]], arms: li
 
 def compare(config: str | None, arms: list[tuple[str, list[str]]], seeds: list[int], extra: list[str],
             out: str, keep: str | None, title: str) -> int:
-    curves, walls, finals = {}, {}, {}
+    curves, walls = {}, {}
     with tempfile.TemporaryDirectory(prefix="rlflow-seed-curves-") as tmp:
         out_dir = keep or tmp
         for seed in seeds:
@@ -120,12 +120,12 @@ def compare(config: str | None, arms: list[tuple[str, list[str]]], seeds: list[i
                 history, wall = run(config, seed, [*extra, *overrides], f"{name}_seed{seed}", out_dir)
                 points = val_points(history)
                 curves[(name, seed)], walls[(name, seed)] = points, wall
-                finals[(name, seed)] = points[-1][1]
                 shown = " ".join(f"{s}:{a:.3f}@{t:.0f}s" for s, a, t in points)
                 summary = "  ".join(f"{label} {first_last(history, key)}" for key, label in SUMMARY_KEYS)
                 print(f"{name} seed {seed}: wall {wall:.1f} s  val acc {shown}\n    steps 1-10 / last 10: {summary}",
                       flush=True)
 
+    finals = {key: points[-1][1] for key, points in curves.items()}
     reference_name = arms[0][0]
     reference = [finals[(reference_name, seed)] for seed in seeds]
     low, high = min(reference), max(reference)
