@@ -26,7 +26,7 @@ from controllers import checkpoint
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from controllers.rollout_source import RolloutQueue
 from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
-                               critic_model_path, init_models, layout_key, load_tokenizer, make_agent_loop,
+                               core_share, critic_model_path, init_models, layout_key, load_tokenizer, make_agent_loop,
                                make_data, make_kl_controller, make_replay, make_reward_manager, make_rollout_source,
                                make_scorer, place_roles, reinit_worker_groups, resolve_model_path, rows_in_memory,
                                start_env_pool, start_ray, start_worker_groups)
@@ -117,6 +117,8 @@ class PPOTrainer:
         if replay is not None and cfg.algorithm.rollout_correction.mode != "none" and cfg.trainer.total_steps > 0:
             self._check_rollout_log_probs(replay.next(0, Timer()).batch, 0)  # before Ray starts
         self.active_roles = enabled_roles(self.roles, cfg)
+        self.cores = core_share(cfg, self.active_roles)
+        self.phase = 0  # numbers the phases _share_cores sizes
         start_ray(cfg, self.active_roles)
         self.layout_key = layout_key(cfg, self.active_roles)
         parked = IDLE_WORKERS.claim(self.layout_key)  # the last run's processes, if its layout was this one
@@ -248,14 +250,34 @@ class PPOTrainer:
         """Every role's no-grad pass over the batch (old log-probs, reference log-probs, values,
         ...), dispatched together; each adds the key it produces."""
         model_batch = batch.select(*MODEL_INPUT_KEYS)
-        pending = {}
-        for name, role in self.active_roles.items():
-            if role.forward is not None and role.forward.when(self.cfg, on_policy):
-                pending[name] = self.groups[name].dispatch_dp_async(role.forward.method, model_batch)
+        running = [name for name, role in self.active_roles.items()
+                   if role.forward is not None and role.forward.when(self.cfg, on_policy)]
+        self._share_cores(running)
+        pending = {name: self.groups[name].dispatch_dp_async(self.active_roles[name].forward.method, model_batch)
+                   for name in running}
         for name, futures in pending.items():
             forward = self.active_roles[name].forward
             batch[forward.produces] = self.groups[name].collect_dp(futures, forward.method)[forward.produces]
             self._check_finite(batch, name, forward)
+
+    def _share_cores(self, running: list[str]) -> None:
+        """The processes of the roles about to compute get their share of the cores for the phase
+        (controllers/setup.py CoreShare): a phase that runs alone gets all of them."""
+        self.phase += 1
+        threads = self.cores.threads(running, generating=self.cores.generates_ahead and self.rollouts.generating())
+        told = {name: self.groups[name].call_all_async("set_threads", threads, self.phase) for name in running}
+        for name, futures in told.items():
+            self.groups[name].gather(futures, "set_threads")
+
+    def _widen(self, running: list[str]) -> None:
+        """The rollout group stopped generating while `running` update: they take its cores from
+        their next micro-batch (CoreShare.widened)."""
+        threads = self.cores.widened(running)
+        if threads is None:
+            return
+        told = {name: self.groups[name].call_all_async("widen_threads", threads, self.phase) for name in running}
+        for name, futures in told.items():
+            self.groups[name].gather(futures, "widen_threads")
 
     def _check_finite(self, batch: TensorDict, role: str, forward) -> None:
         """A non-finite forward output stops the run naming its role (nan_policy=abort); under
@@ -342,16 +364,19 @@ class PPOTrainer:
 
     def _update(self, batch: TensorDict, step: int, on_policy: bool, meanwhile=None) -> dict:
         """Every trained role's update, dispatched together: per rank, its shards of every mini-batch.
-        `meanwhile()` runs on the driver after the dispatch, before the updates are waited for."""
+        `meanwhile()` runs on the driver after the dispatch, before the updates are waited for; True
+        from it: the rollout group stopped generating, and the updates take its cores (_widen)."""
         pending = {}
+        trained = [name for name, role in self.active_roles.items() if role.trains]
+        self._share_cores(trained)
         for name, role in self.active_roles.items():
             if role.trains:
                 keys = role.update_keys(self.cfg, on_policy)
                 keys = (*keys, *(k for k in role.optional_update_keys if k in batch.keys() and k not in keys))
                 shards = self.plan_minibatches(batch.select(*keys), role.section or name, step)
                 pending[name] = self.groups[name].call_per_dp_rank_async("update", [(s,) for s in shards])
-        if meanwhile is not None:
-            meanwhile()
+        if meanwhile is not None and meanwhile():
+            self._widen(trained)
         metrics = {}
         for name, futures in pending.items():
             per_rank = self.groups[name].gather(futures, "update")

@@ -326,14 +326,21 @@ class RolloutQueue:
             return self.finished.pop(step)
         return self.source.finish(self.started.pop(step), timer)
 
-    def finish_next(self, step: int, timer) -> None:
+    def generating(self) -> bool:
+        """Whether a started rollout is not finished yet: the rollout group is (or will be) generating it."""
+        return bool(self.started)
+
+    def finish_next(self, step: int, timer) -> bool:
         """Called while step's updates run: finishes step + 1's rollout if it is started (max_staleness
         >= 1), so waiting for its generation and scoring it overlap the training. Its weights are
         those it was started with, and the finish (a refill of dynamic sampling, an agent's turns)
-        runs before this step's weight sync, as the generation did."""
+        runs before this step's weight sync, as the generation did. True when it finished one: the
+        rollout group generates nothing more until the next step starts its rollouts."""
         ahead = step + 1
-        if ahead in self.started:
-            self.finished[ahead] = self.source.finish(self.started.pop(ahead), timer)
+        if ahead not in self.started:
+            return False
+        self.finished[ahead] = self.source.finish(self.started.pop(ahead), timer)
+        return not self.started
 
     def state_dict(self, timer) -> list[dict]:
         """Finishes every started rollout; their records, in step order."""

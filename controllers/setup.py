@@ -35,7 +35,7 @@ from rlflow.rewards import RewardManager, compute_score, load_custom_reward_fn
 from rlflow.rewards.model import RewardModelClient, check_reward_model_folder
 from rlflow.rewards.pool import RewardPool, pickle_reward_fn
 from rlflow.tiny import warm_start
-from workers.base import worker_threads
+from workers.base import fixed_worker_threads
 
 # what the workers inherit of the driver's environment (besides OMP_WAIT_POLICY: worker_env)
 WORKER_ENV_KEYS = ("RLFLOW_WORKER_THREADS", "RLFLOW_CACHE", "VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -221,18 +221,71 @@ def place_roles(cfg: RLFlowConfig, roles: dict[str, Role]) -> Placement:
     return Placement(pools, pool_of, gpus)
 
 
+@dataclass(frozen=True)
+class CoreShare:
+    """How many threads each worker process computes with, phase by phase: the cores split evenly
+    between the processes of the roles that compute at the same time. A process that takes more
+    contends with the others; one that takes fewer leaves cores idle while its phase runs alone
+    (in the synchronous loop every phase does). With trainer.max_staleness >= 1 the rollout group
+    generates through every phase of the step before. RLFLOW_WORKER_THREADS, when set, is the
+    user's count for every process and phase."""
+
+    num_cores: int
+    processes: dict[str, int]  # role -> its worker processes
+    trained: tuple[str, ...]  # the roles that update every step
+    generates_ahead: bool  # the rollout group runs alongside the trainers' phases
+    fixed: int = 0
+    # trainer.deterministic: no thread count changes inside a phase, where timing decides when
+    # (a thread count can change float rounding)
+    steady: bool = False
+
+    def threads(self, busy, generating: bool | None = None) -> int:
+        """Each process's threads in a phase that runs the roles `busy`, and the rollout group
+        when `generating` (default: when it generates ahead)."""
+        if self.fixed:
+            return self.fixed
+        generating = self.generates_ahead if generating is None else generating
+        roles = set(busy) | ({"rollout"} if generating else set())
+        return max(1, self.num_cores // max(1, sum(self.processes[name] for name in roles)))
+
+    def widened(self, running) -> int | None:
+        """The threads of `running`, mid-phase, once the rollout group stops generating beside them
+        (None: no change)."""
+        threads = self.threads(running, generating=False)
+        return None if self.steady or threads == self.threads(running, generating=True) else threads
+
+    def start_threads(self, role: str) -> int:
+        """A role's threads between the phases the driver sizes (ppo.py sets the trainers' per phase):
+        the rollout group's for the whole run, every other role's as if all computed at once."""
+        if role == "rollout":
+            return self.threads(("rollout", *self.trained) if self.generates_ahead else ("rollout",))
+        return self.threads(self.processes)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def core_share(cfg: RLFlowConfig, roles: dict[str, Role]) -> CoreShare:
+    return CoreShare(num_cores=usable_cores(), processes={name: role.num_processes(cfg) for name, role in roles.items()},
+                     trained=tuple(name for name, role in roles.items() if role.trains),
+                     generates_ahead=cfg.trainer.max_staleness >= 1 and "rollout" in roles,
+                     fixed=fixed_worker_threads(), steady=cfg.trainer.deterministic)
+
+
 def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], placement: Placement,
                         groups: dict[str, RayWorkerGroup]) -> None:
     """Every role's worker group, started concurrently (each waits for its processes to import torch &
     co), added to `groups` as it starts, so the caller can stop the started ones when another fails;
     the first error is raised once all have settled."""
     per_worker = cfg.trainer.cpus_per_worker
-    threads = worker_threads(sum(role.num_processes(cfg) for role in roles.values()))
+    cores = core_share(cfg, roles)
     env = worker_env()
     with ThreadPoolExecutor(max_workers=len(roles)) as executor:
         starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, role.num_processes(cfg), cfg,
                                           placement.pool_of[name], per_worker, placement.gpus[name], env=env,
-                                          num_threads=threads, sp_size=role.sp_size(cfg))
+                                          num_threads=cores.start_threads(name), sp_size=role.sp_size(cfg))
                     for name, role in roles.items()}
         errors = []
         for name, future in starting.items():
@@ -259,10 +312,10 @@ def reinit_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], parked: dict
                          groups: dict[str, RayWorkerGroup]) -> None:
     """A finished run's groups (IdleWorkers.claim) as this run's, concurrently, each added to
     `groups` as it is taken (so that shutdown stops them all if one fails)."""
-    threads = worker_threads(sum(role.num_processes(cfg) for role in roles.values()))
+    cores = core_share(cfg, roles)
     groups.update(parked)
     with ThreadPoolExecutor(max_workers=len(parked)) as executor:
-        for future in [executor.submit(group.reinit, cfg, threads) for group in parked.values()]:
+        for future in [executor.submit(group.reinit, cfg, cores.start_threads(name)) for name, group in parked.items()]:
             future.result()
 
 

@@ -142,7 +142,8 @@ class RayWorkerGroup:
         self._set_timeouts(cfg)
         if world_size > pool.num_bundles:
             raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
-        remote_cls = ray.remote(worker_cls)
+        # WorkerBase.widen_threads runs beside the call in progress; every other call in order
+        remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         self.workers = []
         for rank in range(world_size):
             options = dict(

@@ -53,4 +53,56 @@ class SlowUpdateActor(ActorWorker):
         return getattr(self, "intervals", [])
 
 
+class _ThreadRecording:
+    """Keeps (call, torch threads) for every forward call and every micro-batch of an update: the
+    driver's per-phase share of the cores. `first_micro_sleep_s`: each update's first micro-batch
+    sleeps that long after it is recorded (time for a concurrent phase to end)."""
+
+    first_micro_sleep_s = 0.0
+
+    def _record(self, call: str) -> None:
+        self.thread_log = [*getattr(self, "thread_log", []), (call, torch.get_num_threads())]
+
+    def threads_seen(self) -> list[tuple[str, int]]:
+        return getattr(self, "thread_log", [])
+
+    def update(self, shards):
+        self._micro_index = 0
+        return super().update(shards)
+
+    def micro_loss(self, micro, meta):
+        self._record("micro")
+        if self._micro_index == 0:
+            time.sleep(self.first_micro_sleep_s)
+        self._micro_index += 1
+        return super().micro_loss(micro, meta)
+
+
+class ThreadRecordingActor(_ThreadRecording, ActorWorker):
+    def compute_log_prob(self, batch):
+        self._record("compute_log_prob")
+        return super().compute_log_prob(batch)
+
+
+class SlowFirstMicroActor(ThreadRecordingActor):
+    first_micro_sleep_s = 1.5
+
+
+class ThreadRecordingCritic(_ThreadRecording, CriticWorker):
+    def compute_values(self, batch):
+        self._record("compute_values")
+        return super().compute_values(batch)
+
+
+class ThreadRecordingRollout(RolloutWorker):
+    def generate(self, batch, *args, **kwargs):
+        self.thread_log = [*getattr(self, "thread_log", []), ("generate", torch.get_num_threads())]
+        return super().generate(batch, *args, **kwargs)
+
+    def threads_seen(self) -> list[tuple[str, int]]:
+        return getattr(self, "thread_log", [])
+
+
+THREAD_RECORDING = {"actor": ThreadRecordingActor, "critic": ThreadRecordingCritic, "rollout": ThreadRecordingRollout}
+
 INSPECTABLE = {"critic": MetaRecordingCritic, "rollout": InspectableRollout}

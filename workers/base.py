@@ -8,6 +8,7 @@ import os
 import random
 import socket
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -129,12 +130,10 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
-def worker_threads(num_worker_processes: int) -> int:
-    """Each worker's share of this machine's cores (the roles' phases overlap, and a process that
-    takes every core contends with the others: docs/BENCHMARKS.md). RLFLOW_WORKER_THREADS, when
-    set, is the user's choice instead."""
-    override = int(os.environ.get("RLFLOW_WORKER_THREADS", "0") or 0)
-    return override or max(1, (os.cpu_count() or 1) // max(1, num_worker_processes))
+def fixed_worker_threads() -> int:
+    """RLFLOW_WORKER_THREADS: the user's thread count for every worker process and phase (0: unset,
+    the driver shares the cores out per phase: controllers/setup.py CoreShare)."""
+    return int(os.environ.get("RLFLOW_WORKER_THREADS", "0") or 0)
 
 
 def peak_memory_bytes(device: torch.device, reset: bool) -> int:
@@ -169,7 +168,8 @@ class WorkerBase:
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        torch.set_num_threads(num_threads)  # the driver's share-out (worker_threads)
+        torch.set_num_threads(num_threads)  # the driver's share-out (controllers/setup.py CoreShare)
+        self._phase, self._phase_threads, self._widen_to = 0, num_threads, None
         from workers.wire import install as install_tensor_wire
 
         install_tensor_wire()  # what this worker returns crosses Ray as numpy buffers (workers/wire.py)
@@ -177,6 +177,29 @@ class WorkerBase:
         _quiet_libraries()
 
     # -- called by the group --------------------------------------------------------------------
+    def set_threads(self, num_threads: int, phase: int) -> None:
+        """The driver's share of the cores for its phase number `phase`, about to run
+        (controllers/setup.py CoreShare). A no-op in a process whose vLLM engine bound its threads."""
+        self._phase, self._phase_threads, self._widen_to = phase, num_threads, None
+        torch.set_num_threads(num_threads)
+
+    @ray.method(concurrency_group="control")
+    def widen_threads(self, num_threads: int, phase: int) -> None:
+        """The phase that ran beside phase `phase` ended: the update running in it takes
+        `num_threads` from its next micro-batch (runs beside the call, in its own thread)."""
+        self._widen_to = (phase, num_threads)
+
+    def _widen_if_told(self) -> None:
+        """Between micro-batches, in the computing thread (a thread count is per thread)."""
+        told = getattr(self, "_widen_to", None)
+        if told is not None and told[0] == self._phase and torch.get_num_threads() != told[1]:
+            torch.set_num_threads(told[1])
+
+    def _end_widening(self) -> None:
+        if getattr(self, "_widen_to", None) is not None:
+            self._widen_to = None
+            torch.set_num_threads(self._phase_threads)
+
     def bind_network(self, spans_nodes: bool) -> dict:
         """Before init_distributed, on every rank of a group of several: the network interface the
         collectives use. An interface named by trainer.dist_interface becomes GLOO_SOCKET_IFNAME and

@@ -144,6 +144,12 @@ class TrainableWorker(WorkerBase):
     @resident
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
+        try:
+            return self._update(shards)
+        finally:
+            self._end_widening()
+
+    def _update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         self.model.train()
         section = self.section_cfg()
         probes = self.cfg.trainer.grad_probes
@@ -156,6 +162,7 @@ class TrainableWorker(WorkerBase):
             self.optimizer.zero_grad(set_to_none=True)
             finite_loss = True
             for index, micro in enumerate(micros):
+                self._widen_if_told()
                 with self._gradient_sync(last=index == len(micros) - 1):
                     with self.forward_context():
                         loss, metrics = self.micro_loss(micro, meta)

@@ -1,0 +1,86 @@
+"""The driver shares the cores out per phase: a phase that runs alone gets all of them, phases that
+run together split them (controllers/setup.py CoreShare)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from conftest import tiny_overrides
+from controllers.setup import CoreShare
+
+PPO = {"actor": 1, "critic": 1, "rollout": 1}
+
+
+@pytest.mark.parametrize("generates_ahead, phase, expected", [
+    # synchronous: generation alone, then the forwards, then the updates
+    (False, ("rollout",), 8), (False, ("actor", "critic"), 4), (False, ("actor",), 8),
+    # one step stale: the rollout group generates through the trainers' phases
+    (True, ("actor", "critic"), 2), (True, ("actor",), 4),
+])
+def test_a_phase_splits_the_cores_between_the_processes_it_runs(generates_ahead, phase, expected):
+    share = CoreShare(num_cores=8, processes=PPO, trained=("actor", "critic"), generates_ahead=generates_ahead)
+    assert share.threads(phase) == expected
+
+
+def test_start_threads_and_the_users_fixed_count():
+    share = CoreShare(num_cores=8, processes={**PPO, "actor": 2}, trained=("actor", "critic"), generates_ahead=False)
+    assert share.start_threads("rollout") == 8 and share.start_threads("actor") == 2  # 8 // 4 processes
+    ahead = CoreShare(num_cores=8, processes=PPO, trained=("actor", "critic"), generates_ahead=True)
+    assert ahead.start_threads("rollout") == 2  # 8 // (rollout + actor + critic)
+    assert CoreShare(num_cores=8, processes=PPO, trained=(), generates_ahead=False, fixed=3).threads(("actor",)) == 3
+    assert CoreShare(num_cores=1, processes=PPO, trained=(), generates_ahead=True).threads(("actor", "critic")) == 1
+
+
+def test_an_update_widens_once_generation_stops_unless_deterministic():
+    ahead = dict(num_cores=8, processes=PPO, trained=("actor", "critic"), generates_ahead=True)
+    assert CoreShare(**ahead).widened(("actor", "critic")) == 4  # from 8 // 3
+    assert CoreShare(**ahead, steady=True).widened(("actor", "critic")) is None  # trainer.deterministic
+    assert CoreShare(**ahead, fixed=1).widened(("actor", "critic")) is None  # RLFLOW_WORKER_THREADS
+    assert CoreShare(num_cores=2, processes=PPO, trained=("actor",), generates_ahead=True).widened(("actor",)) == 2
+
+
+def fit_threads(tiny_model_dir, tmp_path, monkeypatch, worker_classes, **overrides) -> dict[str, list]:
+    """Two steps of a fit told it has 4 cores (RLFLOW_WORKER_THREADS unset): what each worker recorded."""
+    import controllers.setup
+    from controllers.ppo import PPOTrainer
+    from rlflow import load_config
+
+    monkeypatch.delenv("RLFLOW_WORKER_THREADS", raising=False)
+    monkeypatch.setattr(controllers.setup, "usable_cores", lambda: 4)
+    # 16 rows in 2 mini-batches of 2 micro-batches: not on-policy, so the actor's forward runs too
+    config = load_config(None, tiny_overrides(tiny_model_dir, **{"trainer.default_local_dir": str(tmp_path), **overrides}))
+    trainer = PPOTrainer(config, worker_classes=worker_classes)
+    trainer.setup()
+    try:
+        for step in range(2):
+            trainer.train_step(step)
+        return {name: ray.get(trainer.groups[name].workers[0].threads_seen.remote()) for name in worker_classes}
+    finally:
+        trainer.shutdown()
+
+
+def test_each_worker_computes_with_the_drivers_share_for_its_phase(ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """Synchronous PPO (actor, critic, rollout: one process each): the rollout generates with the 4
+    cores, the concurrent forwards and updates of actor and critic with 2 each."""
+    from inspecting_workers import THREAD_RECORDING
+
+    seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch, THREAD_RECORDING, **{"critic.enable": True})
+    assert seen["rollout"] == [("generate", 4)] * 2
+    assert seen["actor"] == ([("compute_log_prob", 2)] + [("micro", 2)] * 4) * 2
+    assert seen["critic"] == ([("compute_values", 2)] + [("micro", 2)] * 4) * 2
+
+
+def test_an_update_takes_the_rollouts_cores_once_it_stops_generating(ray_session, tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """One step stale GRPO (actor, rollout): step 1 generates step 2's batch beside its forward and
+    update, 2 threads each; once that batch is in, the update's next micro-batches take all 4 cores.
+    Step 2 generates nothing beside it: all 4 throughout."""
+    from inspecting_workers import SlowFirstMicroActor, ThreadRecordingRollout
+
+    seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch,
+                       {"actor": SlowFirstMicroActor, "rollout": ThreadRecordingRollout},
+                       **{"algorithm.adv_estimator": "grpo", "trainer.max_staleness": 1})
+    assert seen["rollout"] == [("generate", 2)] * 2
+    assert seen["actor"] == [("compute_log_prob", 2), ("micro", 2)] + [("micro", 4)] * 3 + \
+        [("compute_log_prob", 4)] + [("micro", 4)] * 4
