@@ -77,7 +77,10 @@ def hf_log_probs(model, out, device) -> torch.Tensor:
     return result
 
 
-def check_weight_sync(engine, model_dir, tok, args, device, label: str = "weight sync") -> bool:
+def weight_sync_result(engine, model_dir, tok, args, device) -> dict:
+    """The weight-sync check's numbers: trains a copy of the model towards PROBE's answer, loads
+    it into `engine`, then its greedy answer and its log-probs against the HF model's (args:
+    max_prompt_length, tol). "ok" is the verdict."""
     from transformers import AutoModelForCausalLM
 
     from tensordict import TensorDict
@@ -104,11 +107,27 @@ def check_weight_sync(engine, model_dir, tok, args, device, label: str = "weight
         diffs.append(float(((ref - out["rollout_log_probs"]) * out["response_mask"]).abs().max()))
     ok_answer = got == answer and changed
     ok_lp = max(diffs) < args.tol
-    print(f"{label}: {steps} optimizer steps, load_weights {sync_s:.3f}s; greedy answer "
-          f"{'changed to the trained one' if ok_answer else f'WRONG: {got} (wanted {answer})'}; "
-          f"max |vLLM - HF| log-prob greedy {diffs[0]:.2e}, sampled {diffs[1]:.2e} "
-          f"(tol {args.tol:g}) -> {'PASS' if ok_answer and ok_lp else 'FAIL'}")
-    return ok_answer and ok_lp
+    return {"ok": ok_answer and ok_lp, "ok_answer": ok_answer, "ok_log_probs": ok_lp, "steps": steps,
+            "sync_s": sync_s, "got": got, "answer": answer, "diff_greedy": diffs[0], "diff_sampled": diffs[1],
+            "tol": args.tol}
+
+
+def engine_common(tok, args) -> dict:
+    """The engine options both engines of the checks share (args: max_prompt_length, response_length, dtype)."""
+    return dict(
+        max_prompt_length=args.max_prompt_length, max_response_length=args.response_length,
+        temperature=1.0, dtype=args.dtype, seed=0,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )
+
+
+def check_weight_sync(engine, model_dir, tok, args, device, label: str = "weight sync") -> bool:
+    r = weight_sync_result(engine, model_dir, tok, args, device)
+    answer = "changed to the trained one" if r["ok_answer"] else f"WRONG: {r['got']} (wanted {r['answer']})"
+    print(f"{label}: {r['steps']} optimizer steps, load_weights {r['sync_s']:.3f}s; greedy answer {answer}; "
+          f"max |vLLM - HF| log-prob greedy {r['diff_greedy']:.2e}, sampled {r['diff_sampled']:.2e} "
+          f"(tol {r['tol']:g}) -> {'PASS' if r['ok'] else 'FAIL'}")
+    return r["ok"]
 
 
 def check_tensor_parallel(model_dir, tok, args, device, common) -> bool:
@@ -220,11 +239,7 @@ def main() -> int:
         model_dir = build_tiny_model(tmp.name)
     tok = AutoTokenizer.from_pretrained(model_dir)
     batch = make_batch(tok, args.batch, args.max_prompt_length)
-    common = dict(
-        max_prompt_length=args.max_prompt_length, max_response_length=args.response_length,
-        temperature=1.0, dtype=args.dtype, seed=0,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )
+    common = engine_common(tok, args)
     ok = True
     rows = []
 
