@@ -326,6 +326,7 @@ class BareLoop:
         t["sync"] = t9 - t8
         t["step"] = t9 - t0
         t["response_tokens"] = float(b["response_mask"].sum())
+        t["update_tokens"] = float(b["attention_mask"].sum()) * cfg.actor.ppo_epochs
         t.update(self.last_losses)
         return t
 
@@ -349,6 +350,9 @@ def _timed_worker(cls, methods):
         original = getattr(cls, name)
 
         def timed(self, *args, **kwargs):
+            if name == "update":  # the valid tokens its forwards and backwards run over (the FLOP count)
+                tokens = sum(int(shard["attention_mask"].sum()) for shard in args[0])
+                self.__dict__.setdefault("_bench_times", []).append(("update_tokens", float(tokens)))
             start = time.perf_counter()
             try:
                 return original(self, *args, **kwargs)
@@ -416,6 +420,7 @@ class RLFlowRun:
             "ref": w.get("reference.compute_ref_log_prob", 0.0),
             "adv": metrics.get("timing/adv", 0.0),
             "update_actor": w.get("actor.update", 0.0),
+            "update_tokens": w.get("actor.update_tokens", float("nan")),
             "update_critic": w.get("critic.update", 0.0),
             # object-store sync: get_weights + load_weights; shared-memory sync: publish + load
             "sync": sum(w.get(k, 0.0) for k in ("actor.get_weights", "rollout.load_weights", "actor.publish_weights",
@@ -748,10 +753,39 @@ def main() -> int:
     return finish(results, args)
 
 
+def matmul_limit(dtypes: list[str], size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """GFLOP/s of a plain square torch matmul per dtype, on every core this process may use: the
+    machine's limit the updates are compared with."""
+    from controllers.setup import usable_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    out = {}
+    try:
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+            a @ b  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - start)
+            out[name] = 2 * size**3 / statistics.median(times) / 1e9
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
 def finish(results: dict, args) -> int:
     import ray
 
+    from controllers.setup import usable_cores
+
     ray.shutdown()
+    # with no worker alive: the matmul gets the machine, as the updates' phases did
+    results["matmul_gflops"] = matmul_limit(["float32", "bfloat16"])
+    results["matmul_threads"] = usable_cores()
     if not args.no_rollout_engines:  # after the step rows, with no worker alive: the engines get the machine
         results["rollout_engines"] = rollout_engines(results["model"], args)
     print(report(results, args))
@@ -898,6 +932,7 @@ def report(results: dict, args) -> str:
     for row in results["rows"]:
         for run, procs in (row.get("peak_rss_mib") or {}).items():
             add(f"- {row['algo']} x{row['scale']} {run}: " + ", ".join(f"{proc} {mib:.0f}" for proc, mib in procs.items()))
+    lines.extend(limit_report(results))
     async_lines = []
     for row in results["rows"]:
         r = row["records"]
@@ -922,6 +957,30 @@ def report(results: dict, args) -> str:
     if "rollout_engines" in results:
         lines.extend(rollout_report(results["rollout_engines"]))
     return "\n".join(lines)
+
+
+def limit_report(results: dict) -> list[str]:
+    """Each run's actor update against the machine's limit: 6 x parameters x the valid tokens it
+    ran over (forward + backward) per second, as a share of the plain matmul's FLOP/s."""
+    peaks = results.get("matmul_gflops") or {}
+    if not peaks:
+        return []
+    lines = ["", f"## the update against the machine's limit (plain {2048}x{2048} matmul on {results['matmul_threads']} "
+                 "threads: " + ", ".join(f"{name} {gflops:.1f} GFLOP/s" for name, gflops in peaks.items()) + ")",
+             "| run | update_actor s | tokens | update GFLOP/s | % of float32 matmul | % of bfloat16 matmul |",
+             "|---|---|---|---|---|---|"]
+    params = results["num_parameters"]
+    for row in results["rows"]:
+        for name in ["bare"] + rlflow_names(row["records"]):
+            recs = row["records"].get(name)
+            if not recs or "update_tokens" not in recs[0]:
+                continue
+            seconds, tokens = med(recs, "update_actor"), med(recs, "update_tokens")
+            gflops = 6 * params * tokens / seconds / 1e9
+            lines.append(f"| {row['algo']} x{row['scale']} {name} | {fmt(seconds)} | {tokens:.0f} | {gflops:.1f} | "
+                         + " | ".join(f"{100 * gflops / peaks[d]:.0f}%" if d in peaks else "-"
+                                      for d in ("float32", "bfloat16")) + " |")
+    return lines
 
 
 def _is_async(name: str) -> bool:

@@ -76,3 +76,15 @@ def test_rollout_report_gives_the_ratio_per_dtype_and_at_each_engines_fastest(be
     assert "- float32: vLLM 2.00x HF generate's tokens/s" in table
     assert "- bfloat16: vLLM 4.00x HF generate's tokens/s" in table
     assert "- each at its fastest dtype: vLLM (bfloat16) 4.00x HF generate (bfloat16)" in table
+
+
+def test_limit_report_gives_the_updates_flops_against_the_matmul(bench):
+    """6 x parameters x tokens / seconds: 6 x 1e6 x 500 / 0.5 s = 6 GFLOP/s, 50% of a 12 GFLOP/s matmul."""
+    records = [{"update_actor": 0.5, "update_tokens": 500.0, "step": 1.0}] * 3
+    results = {"num_parameters": 1_000_000, "matmul_gflops": {"float32": 12.0, "bfloat16": 24.0}, "matmul_threads": 2,
+               "rows": [{"algo": "grpo", "scale": 1, "records": {"bare": records, "rlflow": records}}]}
+    lines = bench.limit_report(results)
+    assert "float32 12.0 GFLOP/s, bfloat16 24.0 GFLOP/s" in lines[1]
+    assert lines[-2:] == ["| grpo x1 bare | 0.500 | 500 | 6.0 | 50% | 25% |",
+                          "| grpo x1 rlflow | 0.500 | 500 | 6.0 | 50% | 25% |"]
+    assert bench.limit_report({**results, "matmul_gflops": {}}) == []
