@@ -450,12 +450,14 @@ class RLFlowRun:
 
 class TRLRun:
     def __init__(self, python: str, model_dir: str, prompts_file: str, batch: int, n: int, response_len: int,
-                 micro: int, lr: float, steps: int, seed: int, threads: int | None):
+                 micro: int, lr: float, steps: int, seed: int, threads: int | None, bf16: bool = False):
         cmd = [python, str(REPO / "scripts" / "bench_trl.py"), "--model", model_dir, "--prompts", prompts_file,
                "--batch", str(batch), "--n", str(n), "--max-completion-length", str(response_len),
                "--micro", str(micro), "--lr", str(lr), "--steps", str(steps), "--seed", str(seed), "--gated"]
         if threads:
             cmd += ["--threads", str(threads)]
+        if bf16:
+            cmd.append("--bf16")
         self.stderr = tempfile.TemporaryFile(mode="w+")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OMP_WAIT_POLICY")}
         if PEER_OMP_WAIT_POLICY != "default":
@@ -603,6 +605,8 @@ def main() -> int:
     p.add_argument("--trl-threads", default=None,
                    help="comma-separated torch thread counts of TRL, one TRL process each; the ratios use the fastest "
                         "(default: 1 and the core count)")
+    p.add_argument("--trl-dtypes", default="float32",
+                   help="TRL's compute dtypes, each at every --trl-threads (bfloat16: its autocast, float32 weights)")
     p.add_argument("--model", default="tiny",
                    help="a model folder; 'tiny' (default): the config default, rlflow.tiny.warm_start of the default "
                         "synthetic task (built once, cached); 'random': a fresh rlflow.tiny.build_tiny_model; an alias "
@@ -642,6 +646,9 @@ def main() -> int:
     if args.bare_threads:
         torch.set_num_threads(args.bare_threads)
     trl_threads = sorted({int(t) for t in (args.trl_threads or f"1,{os.cpu_count() or 1}").split(",") if t})
+    trl_dtypes = [d for d in args.trl_dtypes.split(",") if d]
+    if set(trl_dtypes) - {"float32", "bfloat16"}:
+        p.error(f"--trl-dtypes: float32 and/or bfloat16, got {args.trl_dtypes!r}")
     scales = [int(s) for s in args.scales.split(",") if s]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     extra = dict(kv.split("=", 1) for kv in args.extra)
@@ -725,10 +732,13 @@ def main() -> int:
                     json.dump([{"prompt": ds.items[i]["raw_prompt"], "data_source": ds.items[i]["data_source"],
                                 "ground_truth": ds.items[i]["ground_truth"]} for i in order], f)
                 for threads in trl_threads:
-                    trl = TRLRun(args.trl_python, model_dir, prompts_file, args.batch, args.n, args.response_len,
-                                 args.micro, rl.cfg.actor.optim.lr, args.warmup + args.steps, 0, threads)
-                    trls[f"trl@{threads}"] = trl
-                    log(f"TRL at {threads} thread(s) start {trl.setup_s:.1f}s {trl.versions}")
+                    for dtype in trl_dtypes:
+                        trl = TRLRun(args.trl_python, model_dir, prompts_file, args.batch, args.n, args.response_len,
+                                     args.micro, rl.cfg.actor.optim.lr, args.warmup + args.steps, 0, threads,
+                                     bf16=dtype == "bfloat16")
+                        name = f"trl@{threads}" + ("" if dtype == "float32" else f"/{dtype}")
+                        trls[name] = trl
+                        log(f"TRL at {threads} thread(s), {dtype}, start {trl.setup_s:.1f}s {trl.versions}")
                 runs.update(trls)
             runs["rlflow"] = rl
             runs.update(start_variants(args.variant, ov))
@@ -872,10 +882,10 @@ def report(results: dict, args) -> str:
         if row.get("trl_note"):
             add(f"\n{row['trl_note']}")
         if row.get("trl_versions"):
-            by_threads = ", ".join(f"{name[4:]} thread(s) {fmt(med(recs, 'step'))} s/step"
+            by_threads = ", ".join(f"{_trl_setting(name)} {fmt(med(recs, 'step'))} s/step"
                                    for name, recs in row["records"].items() if name.startswith("trl@"))
             add(f"\nTRL: {row['trl_versions']}, start {row['trl_start_s']:.1f} s; {by_threads}; the TRL columns and "
-                f"ratios are its fastest, {row['trl_fastest'][4:]} thread(s)")
+                f"ratios are its fastest, {_trl_setting(row['trl_fastest'])}")
     ppo = [row for row in results["rows"] if row["algo"] == "ppo"]
     if len(ppo) > 1:
         add("")
@@ -981,6 +991,12 @@ def limit_report(results: dict) -> list[str]:
                          + " | ".join(f"{100 * gflops / peaks[d]:.0f}%" if d in peaks else "-"
                                       for d in ("float32", "bfloat16")) + " |")
     return lines
+
+
+def _trl_setting(name: str) -> str:
+    """trl@2 -> '2 thread(s), float32'; trl@2/bfloat16 -> '2 thread(s), bfloat16'."""
+    threads, _, dtype = name[4:].partition("/")
+    return f"{threads} thread(s), {dtype or 'float32'}"
 
 
 def _is_async(name: str) -> bool:

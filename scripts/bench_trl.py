@@ -54,6 +54,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--gated", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="TRL's bfloat16 autocast (float32 weights)")
     args = p.parse_args()
 
     import torch
@@ -94,12 +95,13 @@ def main() -> int:
         num_generations=args.n, max_completion_length=args.max_completion_length, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
         num_iterations=1, loss_type="dapo", temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False,
-        gradient_checkpointing=args.gradient_checkpointing, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=args.gradient_checkpointing, use_cpu=True, bf16=args.bf16, fp16=False,
         report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=args.seed,
         dataloader_num_workers=0,
     )
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-                "datasets": datasets.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+                "datasets": datasets.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                "bf16": args.bf16}
 
     def emit(kind: str, **fields) -> None:
         print("BENCH " + json.dumps({"kind": kind, **fields}), flush=True)
