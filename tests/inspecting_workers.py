@@ -88,12 +88,6 @@ class SlowFirstMicroActor(ThreadRecordingActor):
     first_micro_sleep_s = 1.5
 
 
-class ThreadRecordingCritic(_ThreadRecording, CriticWorker):
-    def compute_values(self, batch):
-        self._record("compute_values")
-        return super().compute_values(batch)
-
-
 class ThreadRecordingRollout(RolloutWorker):
     def generate(self, batch, *args, **kwargs):
         self.thread_log = [*getattr(self, "thread_log", []), ("generate", torch.get_num_threads())]
@@ -102,7 +96,5 @@ class ThreadRecordingRollout(RolloutWorker):
     def threads_seen(self) -> list[tuple[str, int]]:
         return getattr(self, "thread_log", [])
 
-
-THREAD_RECORDING = {"actor": ThreadRecordingActor, "critic": ThreadRecordingCritic, "rollout": ThreadRecordingRollout}
 
 INSPECTABLE = {"critic": MetaRecordingCritic, "rollout": InspectableRollout}

@@ -60,22 +60,11 @@ def fit_threads(tiny_model_dir, tmp_path, monkeypatch, worker_classes, **overrid
         trainer.shutdown()
 
 
-def test_each_worker_computes_with_the_drivers_share_for_its_phase(ray_session, tiny_model_dir, tmp_path, monkeypatch):
-    """Synchronous PPO (actor, critic, rollout: one process each): the rollout generates with the 4
-    cores, the concurrent forwards and updates of actor and critic with 2 each."""
-    from inspecting_workers import THREAD_RECORDING
-
-    seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch, THREAD_RECORDING, **{"critic.enable": True})
-    assert seen["rollout"] == [("generate", 4)] * 2
-    assert seen["actor"] == ([("compute_log_prob", 2)] + [("micro", 2)] * 4) * 2
-    assert seen["critic"] == ([("compute_values", 2)] + [("micro", 2)] * 4) * 2
-
-
 def test_an_update_takes_the_rollouts_cores_once_it_stops_generating(ray_session, tiny_model_dir, tmp_path,
                                                                       monkeypatch):
-    """One step stale GRPO (actor, rollout): step 1 generates step 2's batch beside its forward and
-    update, 2 threads each; once that batch is in, the update's next micro-batches take all 4 cores.
-    Step 2 generates nothing beside it: all 4 throughout."""
+    """One step stale GRPO (actor, rollout: one process each): step 1 generates step 2's batch beside
+    its forward and update, 2 threads each; once that batch is in, the update's next micro-batches
+    take all 4 cores. Step 2 generates nothing beside it: its phases run alone, with all 4."""
     from inspecting_workers import SlowFirstMicroActor, ThreadRecordingRollout
 
     seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch,
@@ -84,3 +73,13 @@ def test_an_update_takes_the_rollouts_cores_once_it_stops_generating(ray_session
     assert seen["rollout"] == [("generate", 2)] * 2
     assert seen["actor"] == [("compute_log_prob", 2), ("micro", 2)] + [("micro", 4)] * 3 + \
         [("compute_log_prob", 4)] + [("micro", 4)] * 4
+
+
+def test_a_vllm_cpu_engine_binds_to_its_share_of_the_cores():
+    """vLLM-CPU binds a thread to every allowed core unless told; a rollout rank with a smaller
+    share (one step stale: it generates beside the trainers) binds to the last cores of its share."""
+    from workers.rollout.vllm import cpu_share_binding
+
+    assert cpu_share_binding([0, 1], 2) is None  # all of them: vLLM's own choice
+    assert cpu_share_binding([0, 1], 1) == "1"
+    assert cpu_share_binding([4, 5, 6, 7], 2) == "6,7"

@@ -234,6 +234,7 @@ class VLLMRollout(RolloutEngine):
         weight_transport: str = "auto",
         engine_in_process: bool | None = None,
         enable_sleep_mode: bool = False,
+        cpu_threads: int | None = None,  # vLLM-CPU, one rank: bind that many cores (None: all)
         **engine_kwargs,
     ):
         if engine_in_process is not None:
@@ -271,6 +272,8 @@ class VLLMRollout(RolloutEngine):
             engine_kwargs.setdefault("max_num_batched_tokens", _unchunked_token_budget(max_model_len, engine_kwargs))
             if tensor_parallel_size > 1:
                 _bind_cpu_tp_ranks(tensor_parallel_size)
+            elif cpu_threads is not None:
+                _bind_cpu_share(cpu_threads)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -294,6 +297,8 @@ class VLLMRollout(RolloutEngine):
                    enforce_eager=cfg.rollout.enforce_eager,
                    tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                    engine_in_process=True,  # the rollout Ray actor is the engine's dedicated process
+                   # the worker's share of the cores (WorkerBase set it before building the engine)
+                   cpu_threads=torch.get_num_threads() if device.type == "cpu" else None,
                    enable_sleep_mode=cfg.rollout.sleep, **engine_kwargs, **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
     def _sampling_params(self, do_sample: bool, seed: int | None, return_log_probs: bool, temperature: float,
@@ -521,6 +526,23 @@ def _unchunked_token_budget(max_model_len: int, engine_kwargs: dict) -> int:
     does not use offset"): every seeded batch whose prompts exceed the default 4096 tokens failed."""
     max_num_seqs = engine_kwargs.get("max_num_seqs") or 256  # vLLM-CPU's default for an LLM
     return max(4096, int(max_num_seqs) * int(max_model_len))
+
+
+def cpu_share_binding(allowed: list[int], threads: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for a one-rank engine that may compute on `threads` of the
+    `allowed` cores: the last ones (None: all of them, vLLM's own choice)."""
+    return None if threads >= len(allowed) else ",".join(map(str, sorted(allowed)[-max(1, threads):]))
+
+
+def _bind_cpu_share(threads: int) -> None:
+    """vLLM-CPU binds one thread to every allowed core; a rollout rank whose share of the cores
+    (controllers/setup.py CoreShare: one step stale, it generates beside the trainers) is smaller
+    binds to that many, so the trainers keep theirs. A binding set by the user is kept."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    binding = cpu_share_binding(sorted(os.sched_getaffinity(0)), threads)
+    if binding is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
 
 def _bind_cpu_tp_ranks(tensor_parallel_size: int) -> None:
