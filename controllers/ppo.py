@@ -117,7 +117,7 @@ class PPOTrainer:
         if replay is not None and cfg.algorithm.rollout_correction.mode != "none" and cfg.trainer.total_steps > 0:
             self._check_rollout_log_probs(replay.next(0, Timer()).batch, 0)  # before Ray starts
         self.active_roles = enabled_roles(self.roles, cfg)
-        self.cores = core_share(cfg, self.active_roles)
+        self.cores = core_share(cfg, self.active_roles, self.model_path)
         self.phase = 0  # numbers the phases _share_cores sizes
         start_ray(cfg, self.active_roles)
         self.layout_key = layout_key(cfg, self.active_roles)
@@ -125,10 +125,10 @@ class PPOTrainer:
         if parked is None:
             placement = place_roles(cfg, self.active_roles)
             self.pools = placement.pools
-            start_worker_groups(cfg, self.active_roles, placement, self.groups)  # self.groups: shutdown stops them
+            start_worker_groups(cfg, self.active_roles, placement, self.groups, self.cores)  # shutdown stops self.groups
         else:
             self.pools = parked[0]
-            reinit_worker_groups(cfg, self.active_roles, parked[1], self.groups)
+            reinit_worker_groups(cfg, self.active_roles, parked[1], self.groups, self.cores)
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
         init_models(self.active_roles, self.groups, context)

@@ -267,20 +267,46 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def core_share(cfg: RLFlowConfig, roles: dict[str, Role]) -> CoreShare:
-    return CoreShare(num_cores=usable_cores(), processes={name: role.num_processes(cfg) for name, role in roles.items()},
+# Below this many model parameters a phase computes with the static share (cores // all worker
+# processes) instead: the tiny model's generation and update were slower on 2 threads than on 1
+# (docs/BENCHMARKS.md); SmolLM2-135M's were faster. Where between the two it turns is not measured.
+PER_PHASE_MIN_PARAMETERS = 10_000_000
+
+
+def model_parameters(model_path: str) -> int | None:
+    """The parameters in a model folder's safetensors files, from their headers (None: no such files)."""
+    from safetensors import safe_open
+
+    files = [name for name in os.listdir(model_path) if name.endswith(".safetensors")] if os.path.isdir(model_path) else []
+    total = 0
+    for name in files:
+        with safe_open(os.path.join(model_path, name), framework="pt") as weights:
+            for key in weights.keys():
+                count = 1
+                for dim in weights.get_slice(key).get_shape():
+                    count *= dim
+                total += count
+    return total if files else None
+
+
+def core_share(cfg: RLFlowConfig, roles: dict[str, Role], model_path: str) -> CoreShare:
+    processes = {name: role.num_processes(cfg) for name, role in roles.items()}
+    num_cores, fixed = usable_cores(), fixed_worker_threads()
+    parameters = model_parameters(model_path)
+    if not fixed and parameters is not None and parameters < PER_PHASE_MIN_PARAMETERS:
+        fixed = max(1, num_cores // max(1, sum(processes.values())))
+    return CoreShare(num_cores=num_cores, processes=processes,
                      trained=tuple(name for name, role in roles.items() if role.trains),
                      generates_ahead=cfg.trainer.max_staleness >= 1 and "rollout" in roles,
-                     fixed=fixed_worker_threads(), steady=cfg.trainer.deterministic)
+                     fixed=fixed, steady=cfg.trainer.deterministic)
 
 
 def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], placement: Placement,
-                        groups: dict[str, RayWorkerGroup]) -> None:
+                        groups: dict[str, RayWorkerGroup], cores: CoreShare) -> None:
     """Every role's worker group, started concurrently (each waits for its processes to import torch &
     co), added to `groups` as it starts, so the caller can stop the started ones when another fails;
     the first error is raised once all have settled."""
     per_worker = cfg.trainer.cpus_per_worker
-    cores = core_share(cfg, roles)
     env = worker_env()
     with ThreadPoolExecutor(max_workers=len(roles)) as executor:
         starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, role.num_processes(cfg), cfg,
@@ -309,10 +335,9 @@ def layout_key(cfg: RLFlowConfig, roles: dict[str, Role]) -> tuple:
 
 
 def reinit_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], parked: dict[str, RayWorkerGroup],
-                         groups: dict[str, RayWorkerGroup]) -> None:
+                         groups: dict[str, RayWorkerGroup], cores: CoreShare) -> None:
     """A finished run's groups (IdleWorkers.claim) as this run's, concurrently, each added to
     `groups` as it is taken (so that shutdown stops them all if one fails)."""
-    cores = core_share(cfg, roles)
     groups.update(parked)
     with ThreadPoolExecutor(max_workers=len(parked)) as executor:
         for future in [executor.submit(group.reinit, cfg, cores.start_threads(name)) for name, group in parked.items()]:

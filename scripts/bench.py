@@ -860,7 +860,7 @@ def report(results: dict, args) -> str:
         f"prompt <= {args.prompt_len}, "
         f"response <= {args.response_len} tokens, mini-batch {args.mini}, micro-batch {args.micro})")
     add(f"cpus {results['cpu_count']}, driver torch threads {results['torch_threads_driver']}, "
-        f"RLFLOW_WORKER_THREADS={wt if wt is not None else 'unset (rlflow default: cores // worker processes)'}; "
+        f"RLFLOW_WORKER_THREADS={wt if wt is not None else 'unset (rlflow default: the cores shared out per phase, controllers/setup.py CoreShare)'}; "
         f"OMP_WAIT_POLICY of bare/TRL {PEER_OMP_WAIT_POLICY}, of the shell {_OMP_BEFORE or 'unset'}; "
         f"{args.steps} measured steps after {args.warmup} warm-up, median; {results['load_all']}")
     add(f"model {results['model']}; Ray start {results['ray_start_s']:.1f} s (once, not in any step)")

@@ -56,7 +56,7 @@ class SlowUpdateActor(ActorWorker):
 class _ThreadRecording:
     """Keeps (call, torch threads) for every forward call and every micro-batch of an update: the
     driver's per-phase share of the cores. `first_micro_sleep_s`: each update's first micro-batch
-    sleeps that long after it is recorded (time for a concurrent phase to end)."""
+    sleeps that long after it is recorded (time for a concurrent generation to end)."""
 
     first_micro_sleep_s = 0.0
 
@@ -85,12 +85,18 @@ class ThreadRecordingActor(_ThreadRecording, ActorWorker):
 
 
 class SlowFirstMicroActor(ThreadRecordingActor):
-    first_micro_sleep_s = 1.5
+    first_micro_sleep_s = 2.0
 
 
 class ThreadRecordingRollout(RolloutWorker):
+    """Records its threads per generate, which then sleeps first (so that a generation started
+    with the next step's rollout is still running when that step's update begins)."""
+
+    generate_sleep_s = 1.5
+
     def generate(self, batch, *args, **kwargs):
         self.thread_log = [*getattr(self, "thread_log", []), ("generate", torch.get_num_threads())]
+        time.sleep(self.generate_sleep_s)
         return super().generate(batch, *args, **kwargs)
 
     def threads_seen(self) -> list[tuple[str, int]]:

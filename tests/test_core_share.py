@@ -40,6 +40,23 @@ def test_an_update_widens_once_generation_stops_unless_deterministic():
     assert CoreShare(num_cores=2, processes=PPO, trained=("actor",), generates_ahead=True).widened(("actor",)) == 2
 
 
+def test_a_small_model_keeps_the_static_share(tiny_model_dir, monkeypatch):
+    """Under PER_PHASE_MIN_PARAMETERS (the tiny model, 1M) every process keeps cores // processes:
+    more threads made its phases slower."""
+    import controllers.setup
+    from controllers.roles import enabled_roles, resolve_roles
+    from rlflow import load_config
+
+    monkeypatch.delenv("RLFLOW_WORKER_THREADS", raising=False)
+    monkeypatch.setattr(controllers.setup, "usable_cores", lambda: 4)
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"algorithm.adv_estimator": "grpo"}))
+    roles = enabled_roles(resolve_roles(), cfg)  # actor and rollout
+    share = controllers.setup.core_share(cfg, roles, tiny_model_dir)
+    assert share.threads(("actor",)) == share.start_threads("rollout") == 2 and share.widened(("actor",)) is None
+    monkeypatch.setattr(controllers.setup, "PER_PHASE_MIN_PARAMETERS", 1_000_000)
+    assert controllers.setup.core_share(cfg, roles, tiny_model_dir).threads(("actor",)) == 4
+
+
 def fit_threads(tiny_model_dir, tmp_path, monkeypatch, worker_classes, **overrides) -> dict[str, list]:
     """Two steps of a fit told it has 4 cores (RLFLOW_WORKER_THREADS unset): what each worker recorded."""
     import controllers.setup
@@ -48,6 +65,8 @@ def fit_threads(tiny_model_dir, tmp_path, monkeypatch, worker_classes, **overrid
 
     monkeypatch.delenv("RLFLOW_WORKER_THREADS", raising=False)
     monkeypatch.setattr(controllers.setup, "usable_cores", lambda: 4)
+    # the tiny model stands in for one large enough to share the cores out per phase
+    monkeypatch.setattr(controllers.setup, "PER_PHASE_MIN_PARAMETERS", 0)
     # 16 rows in 2 mini-batches of 2 micro-batches: not on-policy, so the actor's forward runs too
     config = load_config(None, tiny_overrides(tiny_model_dir, **{"trainer.default_local_dir": str(tmp_path), **overrides}))
     trainer = PPOTrainer(config, worker_classes=worker_classes)
