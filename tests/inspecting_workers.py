@@ -55,8 +55,8 @@ class SlowUpdateActor(ActorWorker):
 
 class _ThreadRecording:
     """Keeps (call, torch threads) for every forward call and every micro-batch of an update: the
-    driver's per-phase share of the cores. `first_micro_sleep_s`: each update's first micro-batch
-    sleeps that long after it is recorded (time for a concurrent generation to end)."""
+    driver's per-phase share of the cores. `first_micro_sleep_s`: the first update's first
+    micro-batch sleeps that long after it is recorded (time for a concurrent generation to end)."""
 
     first_micro_sleep_s = 0.0
 
@@ -68,11 +68,12 @@ class _ThreadRecording:
 
     def update(self, shards):
         self._micro_index = 0
+        self._updates = getattr(self, "_updates", 0) + 1
         return super().update(shards)
 
     def micro_loss(self, micro, meta):
         self._record("micro")
-        if self._micro_index == 0:
+        if self._micro_index == 0 and self._updates == 1:
             time.sleep(self.first_micro_sleep_s)
         self._micro_index += 1
         return super().micro_loss(micro, meta)
@@ -85,14 +86,14 @@ class ThreadRecordingActor(_ThreadRecording, ActorWorker):
 
 
 class SlowFirstMicroActor(ThreadRecordingActor):
-    first_micro_sleep_s = 2.0
+    first_micro_sleep_s = 1.5
 
 
 class ThreadRecordingRollout(RolloutWorker):
     """Records its threads per generate, which then sleeps first (so that a generation started
     with the next step's rollout is still running when that step's update begins)."""
 
-    generate_sleep_s = 1.5
+    generate_sleep_s = 0.75
 
     def generate(self, batch, *args, **kwargs):
         self.thread_log = [*getattr(self, "thread_log", []), ("generate", torch.get_num_threads())]
