@@ -95,6 +95,7 @@ class PPOTrainer:
         self.pools = []
         self.env_pool = None
         self.weight_version = 0  # training steps whose update the rollout's weights include
+        self.phase = 0  # numbers the phases _share_cores sizes
 
     @property
     def worker_classes(self) -> dict[str, type]:
@@ -118,7 +119,6 @@ class PPOTrainer:
             self._check_rollout_log_probs(replay.next(0, Timer()).batch, 0)  # before Ray starts
         self.active_roles = enabled_roles(self.roles, cfg)
         self.cores = core_share(cfg, self.active_roles, self.model_path)
-        self.phase = 0  # numbers the phases _share_cores sizes
         start_ray(cfg, self.active_roles)
         self.layout_key = layout_key(cfg, self.active_roles)
         parked = IDLE_WORKERS.claim(self.layout_key)  # the last run's processes, if its layout was this one

@@ -305,6 +305,10 @@ class _RecordingGroup:
         self.sent.append([args[0] for args in per_rank_args])
         return per_rank_args
 
+    def call_all_async(self, method, *args):
+        assert method == "set_threads"  # the driver's share of the cores for the update
+        return []
+
     def gather(self, futures, method):
         return [[[] for _ in shards] for (shards,) in futures]
 
@@ -317,6 +321,7 @@ def test_the_actor_receives_rollout_log_probs_only_when_the_batch_has_them(with_
 
     from controllers.ppo import PPOTrainer
     from controllers.roles import ACTOR, MODEL_INPUT_KEYS
+    from controllers.setup import CoreShare
 
     assert "rollout_log_probs" in ACTOR.optional_update_keys
     assert "rollout_log_probs" not in ACTOR.update_keys(to_dataclass(load_config()), True)
@@ -329,6 +334,7 @@ def test_the_actor_receives_rollout_log_probs_only_when_the_batch_has_them(with_
         batch["rollout_log_probs"] = -torch.ones(rows, width)
     trainer.active_roles = {"actor": ACTOR}
     trainer.groups = {"actor": _RecordingGroup()}
+    trainer.cores = CoreShare(num_cores=1, processes={"actor": 1}, trained=("actor",), generates_ahead=False)
     trainer._update(batch, step=0, on_policy=True)
     (per_rank,) = trainer.groups["actor"].sent
     shards = per_rank[0]
