@@ -574,10 +574,16 @@ def test_from_config_hands_tensor_parallel_size_to_vllm(monkeypatch, tiny_model_
     device = torch.device("cpu")
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
+    # a rollout rank's share of the cores is its torch thread count (CoreShare): here all 5
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
     VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 1), device=device, seed=0, **ids)
     assert calls[-1]["tensor_parallel_size"] == 1
     assert "distributed_executor_backend" not in calls[-1]  # one rank: vLLM's own choice (in this process)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    if _on_cpu():  # a share of 2 (one step stale, beside the trainers): the last 2 allowed cores
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 1), device=device, seed=0, **ids)
+        assert os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") == "3,4"
 
     VLLMRollout.from_config(tiny_model_dir, _tp_config(tiny_model_dir, 2), device=device, seed=0, **ids)
     assert calls[-1]["tensor_parallel_size"] == 2
