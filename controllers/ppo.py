@@ -265,19 +265,20 @@ class PPOTrainer:
         (controllers/setup.py CoreShare): a phase that runs alone gets all of them."""
         self.phase += 1
         threads = self.cores.threads(running, generating=self.cores.generates_ahead and self.rollouts.generating())
-        told = {name: self.groups[name].call_all_async("set_threads", threads, self.phase) for name in running}
-        for name, futures in told.items():
-            self.groups[name].gather(futures, "set_threads")
+        self._tell_threads(running, "set_threads", threads)
 
     def _widen(self, running: list[str]) -> None:
         """The rollout group stopped generating while `running` update: they take its cores from
         their next micro-batch (CoreShare.widened)."""
         threads = self.cores.widened(running)
-        if threads is None:
-            return
-        told = {name: self.groups[name].call_all_async("widen_threads", threads, self.phase) for name in running}
+        if threads is not None:
+            self._tell_threads(running, "widen_threads", threads)
+
+    def _tell_threads(self, roles: list[str], method: str, threads: int) -> None:
+        """Every rank of `roles` gets `method(threads, phase)`, all dispatched before any is awaited."""
+        told = {name: self.groups[name].call_all_async(method, threads, self.phase) for name in roles}
         for name, futures in told.items():
-            self.groups[name].gather(futures, "widen_threads")
+            self.groups[name].gather(futures, method)
 
     def _check_finite(self, batch: TensorDict, role: str, forward) -> None:
         """A non-finite forward output stops the run naming its role (nan_policy=abort); under

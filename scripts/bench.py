@@ -549,22 +549,6 @@ def peak_rss_of(runs: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def count_parameters(model_dir: str) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for name in os.listdir(model_dir):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-                for key in f.keys():
-                    shape = f.get_slice(key).get_shape()
-                    count = 1
-                    for dim in shape:
-                        count *= dim
-                    total += count
-    return total
-
-
 def run_interleaved(runs: dict, warmup: int, steps: int, log) -> dict[str, list[dict]]:
     """One step of each run in turn; the first `warmup` steps of each are dropped."""
     out: dict[str, list[dict]] = {name: [] for name in runs}
@@ -671,7 +655,9 @@ def main() -> int:
         else:
             model_dir = args.model
         results["model"] = model_dir
-        results["num_parameters"] = count_parameters(model_dir)
+        from controllers.setup import model_parameters
+
+        results["num_parameters"] = model_parameters(model_dir) or 0
         if args.only == "rollout":
             print("\n".join(rollout_report(rollout_engines(model_dir, args))))
             return 0

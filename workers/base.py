@@ -191,12 +191,12 @@ class WorkerBase:
 
     def _widen_if_told(self) -> None:
         """Between micro-batches, in the computing thread (a thread count is per thread)."""
-        told = getattr(self, "_widen_to", None)
+        told = self._widen_to
         if told is not None and told[0] == self._phase and torch.get_num_threads() != told[1]:
             torch.set_num_threads(told[1])
 
     def _end_widening(self) -> None:
-        if getattr(self, "_widen_to", None) is not None:
+        if self._widen_to is not None:
             self._widen_to = None
             torch.set_num_threads(self._phase_threads)
 

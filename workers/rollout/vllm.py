@@ -540,7 +540,7 @@ def _bind_cpu_share(threads: int) -> None:
     binds to that many, so the trainers keep theirs. A binding set by the user is kept."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
-    binding = cpu_share_binding(sorted(os.sched_getaffinity(0)), threads)
+    binding = cpu_share_binding(list(os.sched_getaffinity(0)), threads)
     if binding is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
