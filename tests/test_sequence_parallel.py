@@ -106,8 +106,13 @@ def _assert_matches(got, want, name, sum_of_grads=1):
     mask = _batch(name)["response_mask"].bool()
     for key in ("log_probs", "entropy", "values"):
         torch.testing.assert_close(got[key][mask], want[key][mask], rtol=0, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+    # relative to the role's largest gradient entry, not the tensor's own: a tensor whose gradient
+    # is zero in exact arithmetic (layer 0's q_proj when every prediction attends to one token)
+    # holds only rounding noise, which differs between the layouts
+    role_scale = {role: max(float(g.abs().max()) for p, g in want["grads"].items() if p.startswith(role))
+                  for role in ("actor.", "critic.")}
     for param, grad in want["grads"].items():
-        scale = float(grad.abs().max())
+        scale = role_scale[param[: param.index(".") + 1]]
         torch.testing.assert_close(got["grads"][param] / sum_of_grads, grad, rtol=1e-4, atol=1e-5 * scale,
                                    msg=lambda m: f"{name} {param}: {m}")
 
