@@ -155,6 +155,55 @@ def test_bf16_computes_in_bf16_over_float32_masters(tiny_model_dir, in_process_g
     assert state and {t.dtype for t in state} == {torch.float32}
 
 
+def _update_batch(vocab: int, rows: int, seed: int = 0):
+    """One on-policy mini-batch of `rows` sequences (every response token valid), BatchMeta attached."""
+    from tensordict import TensorDict
+
+    from rlflow.protocol import attach_meta, compute_batch_meta
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts, responses = torch.randint(0, vocab, (rows, 4), generator=gen), torch.randint(0, vocab, (rows, 6), generator=gen)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    batch = TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids), "position_ids": torch.arange(10).expand(rows, -1).clone(),
+        "response_mask": torch.ones(rows, 6, dtype=torch.long), "advantages": torch.randn(rows, 6, generator=gen),
+    }, batch_size=[rows])
+    attach_meta(batch, compute_batch_meta(batch, dp_size=1, loss_scale_factor=1.0))
+    return batch
+
+
+def test_bf16_one_rank_accumulates_over_one_cast(tiny_model_dir, in_process_group):
+    """FSDP2 on one rank keeps each layer's bfloat16 copy for the whole update and accumulates the
+    micro-batches' gradients unsharded in float32 (workers/trainable.py, _one_cast_per_update).
+    The SGD step equals the whole mini-batch's within the bfloat16 tolerance, and no copy survives
+    the step: the next forward computes with the new weights."""
+    from workers.offload import reshard_fsdp
+
+    overrides = {"actor.mixed_precision.param_dtype": "bfloat16", "actor.optim.name": "sgd", "actor.optim.lr": 0.5,
+                 "actor.ppo_mini_batch_size": 16, "data.train_batch_size": 8, "rollout.n": 2, "actor.ppo_epochs": 1,
+                 "algorithm.adv_estimator": "grpo", "algorithm.rollout_correction.mode": "none"}
+    whole = _trainer("actor", tiny_model_dir, **overrides, **{"actor.ppo_micro_batch_size_per_gpu": 16})
+    split = _trainer("actor", tiny_model_dir, **overrides, **{"actor.ppo_micro_batch_size_per_gpu": 4})
+    before = {k: v.full_tensor().clone() for k, v in whole.model.state_dict().items()}
+    batch = _update_batch(whole.model.config.vocab_size, 16)
+    whole.update([batch.clone()])
+    records = split.update([batch.clone()])
+    assert records[0][-1]["actor/num_micro_batches"].value == 4.0
+    ids = batch["input_ids"][:2]
+    with torch.no_grad():  # first: reading a state dict would reshard, hiding a stale copy
+        after_update = split.model(input_ids=ids).logits
+        reshard_fsdp(split.model)  # a forward from freshly cast weights
+        fresh = split.model(input_ids=ids).logits
+    torch.testing.assert_close(after_update, fresh, rtol=0, atol=0)
+    moved = {k: whole.model.state_dict()[k].full_tensor() - before[k] for k in before}
+    largest = max(float(d.abs().max()) for d in moved.values())
+    assert largest > 0
+    for name, delta in moved.items():
+        other = split.model.state_dict()[name].full_tensor() - before[name]
+        assert float((other - delta).abs().max()) <= BF16_RTOL * largest, name
+
+
 def test_bf16_resume_is_bitwise(fits):
     fits.generating  # noqa: B018 - its step-1 checkpoint
     step1 = os.path.join(checkpoints(fits.run_dirs["fsdp2-whole"]), "step_1")

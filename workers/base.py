@@ -160,6 +160,7 @@ class WorkerBase:
     layout_section: str | None = None
     sequence_parallel = NO_SEQUENCE_PARALLEL
     layout = PADDED  # set by init_model from sequence_layout (workers/sequence.py)
+    _widen_to: tuple[int, int] | None = None  # (phase, threads) from widen_threads, until the phase ends
 
     def __init__(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1):
         # first: the user's modules register the losses, engines, ... this worker builds by name

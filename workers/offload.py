@@ -118,7 +118,7 @@ def _own_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
                     state[key] = value.clone()
 
 
-def _reshard_fsdp(model: torch.nn.Module) -> None:
+def reshard_fsdp(model: torch.nn.Module) -> None:
     """FSDP2 keeps the root's parameters unsharded after a forward: free those all-gathered copies
     through FSDP2's own API (the sharded parameters are what gets offloaded)."""
     from torch.distributed.fsdp import FSDPModule
@@ -178,7 +178,7 @@ class TrainerStateOffloader:
         the file is gone."""
         if self.offloaded:
             raise RuntimeError("trainer state offload: already offloaded (reload first)")
-        _reshard_fsdp(self.model)
+        reshard_fsdp(self.model)
         _own_memory(self.model, self.optimizer)
         storages = trainer_storages(self.model, self.optimizer)
         fixed = [storage for storage in storages if not storage.resizable()]

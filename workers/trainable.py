@@ -20,7 +20,7 @@ from rlflow.config import micro_batch_token_budget
 from rlflow.metrics import Aggregation, Metric
 from rlflow.protocol import MICRO_PLAN_KEY, BatchMeta, get_meta, split_micro_batches
 from workers.base import WorkerBase, capture_rng_state, restore_rng_state
-from workers.offload import TrainerStateOffloader, unaliased
+from workers.offload import TrainerStateOffloader, reshard_fsdp, unaliased
 from workers.precision import DynamicLossScale, Precision
 from workers.probes import gradient_probes
 from workers.weight_share import SHM_DIR, MappedWeights, WeightLayout, create_share, layout_of, new_share_path
@@ -145,7 +145,8 @@ class TrainableWorker(WorkerBase):
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         """Train on this rank's shard of each mini-batch; returns per mini-batch the micro records."""
         try:
-            return self._update(shards)
+            with self._one_cast_per_update():
+                return self._update(shards)
         finally:
             self._end_widening()
 
@@ -231,10 +232,39 @@ class TrainableWorker(WorkerBase):
         """DDP all-reduces the whole gradient on every backward: accumulate the micro-batches
         locally and all-reduce once, on the last (the sum is the same, one reduction instead of K).
         Every rank runs the same number of micro-batches (the driver's plan), so the reductions
-        line up. FSDP2 keeps reducing per micro-batch: skipping it would hold unsharded gradients."""
-        if last or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
+        line up. FSDP2 at dp > 1 keeps reducing per micro-batch: skipping it would hold unsharded
+        gradients. FSDP2 on one rank (mixed precision): see _one_cast_per_update."""
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext() if last else self.model.no_sync()
+        if self.is_sharded(self.model) and not self.distributed:
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _one_cast_per_update(self):
+        """FSDP2 on one rank wraps only to cast (workers/precision.py): by default each layer's
+        compute-dtype copy is made again for every micro-batch's forward and again for its
+        backward. Within an update the weights do not change until the optimizer step, so the
+        copy made by the first forward serves every micro-batch; the gradient accumulates
+        unsharded in reduce_dtype (what FSDP2 does without gradient sync), and the last backward
+        reduces it onto the float32 shard and drops the copies before the step."""
+        if self.distributed or not self.is_sharded(self.model):
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        layers = [m for m in self.model.modules() if isinstance(m, FSDPModule) and m is not self.model]
+        for layer in layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.set_reshard_after_forward(True, recurse=False)
+            self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
+            reshard_fsdp(self.model)  # no copy outlives the update (a failed one included)
 
     @resident
     def get_weights(self) -> dict[str, torch.Tensor]:
