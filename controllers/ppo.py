@@ -24,13 +24,13 @@ from tensordict import TensorDict
 
 from controllers import checkpoint
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
-from controllers.rollout_source import RolloutQueue
+from controllers.rollout_source import check_resumable
 from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
                                core_share, critic_model_path, init_models, layout_key, load_tokenizer, make_agent_loop,
-                               make_data, make_kl_controller, make_replay, make_reward_manager, make_rollout_source,
+                               make_data, make_kl_controller, make_replay, make_reward_manager, make_rollouts,
                                make_scorer, place_roles, reinit_worker_groups, resolve_model_path, rows_in_memory,
                                start_env_pool, start_ray, start_worker_groups)
-from controllers.worker_group import IDLE_WORKERS, WorkerError, stop_workers
+from controllers.worker_group import IDLE_WORKERS, WorkerError, all_finished, gather_groups, stop_workers
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
 from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
 from rlflow.config import RLFlowConfig, config_to_dict, load_config, micro_batch_token_budget, to_dataclass
@@ -135,10 +135,9 @@ class PPOTrainer:
         self.env_pool = start_env_pool(cfg, self.groups)
         self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer)
         connect_reward_model(self.score, self.groups)
-        self.weight_sync = choose_weight_sync(cfg.rollout.weight_sync, self.groups)
-        source = make_rollout_source(cfg, replay, self.loader, self.groups, self.score, lambda: self.weight_version,
-                                     self.tokenizer.pad_token_id, self.agent)
-        self.rollouts = RolloutQueue(source, cfg.trainer.max_staleness, cfg.trainer.total_steps)
+        self.weight_sync = choose_weight_sync(cfg.rollout, self.groups)
+        self.rollouts = make_rollouts(cfg, replay, self.loader, self.groups, self.score, lambda: self.weight_version,
+                                      self.tokenizer, self.agent)
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -365,8 +364,9 @@ class PPOTrainer:
 
     def _update(self, batch: TensorDict, step: int, on_policy: bool, meanwhile=None) -> dict:
         """Every trained role's update, dispatched together: per rank, its shards of every mini-batch.
-        `meanwhile()` runs on the driver after the dispatch, before the updates are waited for; True
-        from it: the rollout group stopped generating, and the updates take its cores (_widen)."""
+        `meanwhile(updating)` runs on the driver after the dispatch, before the updates are waited
+        for (`updating()`: whether one still runs); True from it: the rollout group stopped
+        generating, and the updates take its cores (_widen)."""
         pending = {}
         trained = [name for name, role in self.active_roles.items() if role.trains]
         self._share_cores(trained)
@@ -376,7 +376,8 @@ class PPOTrainer:
                 keys = (*keys, *(k for k in role.optional_update_keys if k in batch.keys() and k not in keys))
                 shards = self.plan_minibatches(batch.select(*keys), role.section or name, step)
                 pending[name] = self.groups[name].call_per_dp_rank_async("update", [(s,) for s in shards])
-        if meanwhile is not None and meanwhile():
+        updates = [future for per_rank in pending.values() for future in per_rank]
+        if meanwhile is not None and meanwhile(lambda: not all_finished(updates)):
             self._widen(trained)
         metrics = {}
         for name, futures in pending.items():
@@ -399,6 +400,13 @@ class PPOTrainer:
             loads = self.groups["rollout"].call_all_async("load_shared_weights", published[0])
             actor.gather(published, "publish_weights")
             self.groups["rollout"].gather(loads, "load_shared_weights")
+            return
+        if self.weight_sync == "collective":
+            # both sides block in the broadcast until the other side is in it: started together,
+            # awaited together (a failure on either side is raised at once)
+            sends = actor.call_all_async("send_weights")  # every rank: a collective under FSDP2
+            receives = self.groups["rollout"].call_all_async("receive_weights")
+            gather_groups([(actor, sends, "send_weights"), (self.groups["rollout"], receives, "receive_weights")])
             return
         weights = actor.call_all_async("get_weights")  # a collective under FSDP2: every rank calls
         # rank 0's object goes straight from the actor to the rollout workers, not via the driver
@@ -505,17 +513,11 @@ class PPOTrainer:
 
     def load_driver_state(self, state: dict, step: int) -> None:
         in_flight = state.get("in_flight", [])
-        for record in in_flight:
-            trained_at, version = int(record["step"]), int(record["weight_version"])
-            if trained_at - version > self.cfg.trainer.max_staleness:
-                raise ValueError(
-                    f"the checkpoint of step {step} holds the rollout of step {trained_at + 1}, generated by the "
-                    f"weights after {version} steps; resume with trainer.max_staleness >= {trained_at - version} "
-                    f"(the run that saved it allowed that much), not {self.cfg.trainer.max_staleness}")
+        check_resumable(in_flight, step, self.cfg)
         self.loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.history = list(state["history"])
-        self.rollouts.load_state_dict(in_flight)
+        self.rollouts.load_state_dict(in_flight, step)
         self.sync_weights()  # the rollout engine generates with the restored actor
         self.weight_version = step
 

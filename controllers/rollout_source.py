@@ -20,6 +20,7 @@ ahead (trainer.max_staleness) so they are generated while the driver trains on t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from tensordict import TensorDict
 from rlflow.algos import estimator_inputs
 from rlflow.algos.dynamic_sampling import groups_with_variance, overlong_penalty, rows_of_groups
 from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
-from rlflow.protocol import concat_rollouts, last_valid_index
+from rlflow.protocol import assemble_rollout, concat_rollouts, last_valid_index, left_pad, right_pad
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -84,6 +85,22 @@ class Scorer:
         token_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         extras["num_reward_errors"] = num_errors
         return token_scores, extras
+
+
+def attach_scores(cfg, batch: TensorDict, scores: torch.Tensor, extras: dict) -> None:
+    """A scored rollout's keys: token_level_scores (with DAPO's overlong penalty), and acc,
+    rule_scores, rm_scores where the reward reported them (popped from extras)."""
+    for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores")):
+        if key in extras:
+            batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
+    buffer = cfg.reward.overlong_buffer
+    if buffer.enable:  # training rewards only: validation reports the task's own score
+        # the response up to its last model token (an agent's trajectory includes its observations)
+        last = last_valid_index(batch["response_mask"])
+        penalty = overlong_penalty(last + 1, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+        scores = scores.scatter_add(1, last.clamp(min=0).unsqueeze(1), penalty.unsqueeze(1))
+        batch["overlong_penalty"] = penalty
+    batch["token_level_scores"] = scores
 
 
 class RolloutSource:
@@ -174,17 +191,7 @@ class GeneratingSource(RolloutSource):
             with timer("reward"):
                 scores, extras = self.score(batch, {k: [v for v in vals for _ in range(n)] for k, vals in rows.items()})
         batch["group_index"] = torch.arange(started.num_prompts).repeat_interleave(n) + started.step * started.num_prompts
-        for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores")):
-            if key in extras:
-                batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
-        buffer = self.cfg.reward.overlong_buffer
-        if buffer.enable:  # training rewards only: validation reports the task's own score
-            # the response up to its last model token (an agent's trajectory includes its observations)
-            last = last_valid_index(batch["response_mask"])
-            penalty = overlong_penalty(last + 1, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
-            scores = scores.scatter_add(1, last.clamp(min=0).unsqueeze(1), penalty.unsqueeze(1))
-            batch["overlong_penalty"] = penalty
-        batch["token_level_scores"] = scores
+        attach_scores(self.cfg, batch, scores, extras)
         if started.greedy is not None:
             with timer("gen"):
                 greedy = self.rollout.collect_dp(started.greedy, "generate")
@@ -278,11 +285,17 @@ class RecordingSource(RolloutSource):
     def finish(self, handle, timer) -> Rollout:
         step, inner = handle
         rollout = self.inner.finish(inner, timer)
-        path = step_file(self.folder, step)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        torch.save(rollout_record(rollout), tmp)
-        os.replace(tmp, path)
+        write_record(self.folder, step, rollout)
         return rollout
+
+
+def write_record(folder: str, step: int, rollout: Rollout) -> None:
+    """step's batch into <folder>/step_<N>.pt, atomically."""
+    os.makedirs(folder, exist_ok=True)
+    path = step_file(folder, step)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(rollout_record(rollout), tmp)
+    os.replace(tmp, path)
 
 
 def rollout_record(rollout: Rollout) -> dict:
@@ -330,7 +343,7 @@ class RolloutQueue:
         """Whether a started rollout is not finished yet: the rollout group is (or will be) generating it."""
         return bool(self.started)
 
-    def finish_next(self, step: int, timer) -> bool:
+    def finish_next(self, step: int, timer, updating: Callable[[], bool] | None = None) -> bool:
         """Called while step's updates run: finishes step + 1's rollout if it is started (max_staleness
         >= 1), so waiting for its generation and scoring it overlap the training. Its weights are
         those it was started with, and the finish (a refill of dynamic sampling, an agent's turns)
@@ -348,6 +361,296 @@ class RolloutQueue:
             self.finished[step] = self.source.finish(self.started.pop(step), timer)
         return [{"step": step, **rollout_record(self.finished[step])} for step in sorted(self.finished)]
 
-    def load_state_dict(self, records: list[dict]) -> None:
+    def load_state_dict(self, records: list[dict], step: int) -> None:
         self.started = {}
         self.finished = {int(record["step"]): rollout_from_record(record) for record in records}
+
+
+@dataclass
+class _Ready:
+    """A streamed group, finished and scored, not trained yet."""
+    uid: int
+    batch: TensorDict  # its n rows, scored, with rollout_versions
+    start_version: int  # the version of its oldest tokens
+    finish_index: int  # the order it finished in (on the driver's count)
+    num_reward_errors: int = 0
+
+
+@dataclass
+class _Submitted:
+    uid: int
+    prompt: list[int]  # the prompt's token ids, unpadded
+    rows: dict  # the prompt's row data (ROW_DATA_KEYS -> value)
+
+
+class StreamingQueue:
+    """rollout.partial: groups stream through the rollout group (workers/rollout/stream.py), and
+    each step trains on complete groups, first finished first, within the staleness bound.
+
+    Submission. By step t the driver has handed the rollout group (t + k + 1) * B groups in all
+    (k = trainer.max_staleness, B = data.train_batch_size; not past the last step's), dealt to the
+    ranks in turn; a rank starts a group when it has room for its n responses.
+
+    The batch of step t. A group's age is the version of its oldest tokens, the weights it started
+    under. Its tokens are at most k updates old when it trains by step start + k, so with N_j the
+    untrained groups started at version <= t - k + j, the batch must take at least
+    N_j - j * B of them (j = 0 .. k: those left must fit in the j batches still in time). It takes
+    those oldest first, then the earliest finished groups up to B, waiting while the finished
+    groups cannot meet both. Submitting no more than (t + k + 1) * B keeps every N_j - j * B <= B.
+
+    Scoring (and dynamic sampling's filter: a group without variance is dropped and another prompt
+    submitted in its place) happens as groups arrive: during the updates too (finish_next).
+
+    A checkpoint keeps the finished groups whole; a group still generating, or not started, is
+    kept as its prompt and generated again from its start after a resume: no prompt is lost or
+    trained twice, but a resumed run is not bitwise the uninterrupted one (nor is a partial run
+    repeatable in deterministic mode: where a sync lands between chunks depends on timing)."""
+
+    def __init__(self, cfg, loader, rollout_group, scorer: Scorer, weight_version: Callable[[], int],
+                 pad_token_id: int, eos_token_id: int, total_steps: int):
+        self.cfg, self.loader, self.rollout, self.score = cfg, loader, rollout_group, scorer
+        self.weight_version, self.pad_token_id, self.eos_token_id = weight_version, pad_token_id, eos_token_id
+        self.total_steps, self.max_staleness = total_steps, cfg.trainer.max_staleness
+        self.batch_size, self.n = cfg.data.train_batch_size, cfg.rollout.n
+        self.opened = False
+        self.next_uid = 0
+        self.num_trained = 0  # groups trained
+        self.num_finished = 0  # groups finished (the order _Ready.finish_index records)
+        self.backlog: list[_Submitted] = []  # taken from the loader, not submitted yet
+        self.in_flight: dict[int, _Submitted] = {}  # submitted, not finished
+        self.start_versions: dict[int, int | None] = {}  # in flight: started at (None: waiting for room)
+        self.ready: dict[int, _Ready] = {}
+        self.dropped: list[_Ready] = []  # dynamic sampling: groups without variance since the last batch
+        self.num_generated = 0  # groups finished since the last batch (dynamic sampling's count)
+
+    # -- what the loop calls ----------------------------------------------------------------------
+    def take(self, step: int, timer) -> Rollout:
+        self._open()
+        while True:
+            self._top_up(step)  # dynamic sampling's dropped groups are replaced
+            picked = self._choose(step)
+            if picked is not None:
+                break
+            with timer("gen"):
+                finished = self._poll(wait_s=0.5)
+            with timer("reward"):
+                self._receive(finished, step)
+        rollout = self._batch(picked, step)
+        if self.cfg.trainer.record_rollouts:
+            write_record(self.cfg.trainer.record_rollouts, step, rollout)
+        return rollout
+
+    def generating(self) -> bool:
+        return bool(self.in_flight or self.backlog)
+
+    def finish_next(self, step: int, timer, updating: Callable[[], bool] | None = None) -> bool:
+        """While step's updates run (`updating()` is True): score the groups as they finish. The
+        groups in flight go on generating across the coming weight sync. True when none is left:
+        the rollout group generates nothing more until the next step submits, and the updates may
+        take its cores."""
+        if not self.opened:
+            return False
+        while self.in_flight and (updating is None or updating()):
+            with timer("gen"):
+                finished = self._poll(wait_s=0.2)
+            with timer("reward"):
+                self._receive(finished, step)
+            if self.cfg.algorithm.filter_groups.enable:
+                self._top_up(step)  # a dropped group's place at once
+        return not self.in_flight
+
+    # -- the rollout group ------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self.opened:
+            return
+        dp = self.rollout.dp_size
+        max_rows = self.cfg.rollout.partial.max_rows or -(-self.batch_size // dp) * self.n
+        seed = self.cfg.trainer.seed * 1_000_003 + 17
+        self.rollout.call_all("stream_open", self.weight_version(), max_rows, seed)
+        self.opened = True
+
+    def _top_up(self, step: int) -> None:
+        """Submit groups until (step + k + 1) * B are accounted for (trained, ready or in flight)."""
+        target = min(step + self.max_staleness + 1, self.total_steps) * self.batch_size
+        wanted = target - (self.num_trained + len(self.ready) + len(self.in_flight))
+        while len(self.backlog) < wanted:
+            prompts = next(self.loader)
+            rows = {key: get_row_data(prompts, key) for key in ROW_DATA_KEYS}
+            for index in range(prompts.batch_size[0]):
+                ids = prompts["input_ids"][index][prompts["attention_mask"][index].bool()].tolist()
+                self.backlog.append(_Submitted(self.next_uid, ids, {k: v[index] for k, v in rows.items()}))
+                self.next_uid += 1
+        if wanted <= 0:
+            return
+        submit, self.backlog = self.backlog[:wanted], self.backlog[wanted:]
+        dp = self.rollout.dp_size
+        per_rank = [([], []) for _ in range(dp)]
+        for group in submit:
+            self.in_flight[group.uid] = group
+            self.start_versions[group.uid] = None
+            per_rank[group.uid % dp][0].append(group.uid)
+            per_rank[group.uid % dp][1].append(group.prompt)
+        self.rollout.gather(self.rollout.call_per_rank_async("stream_submit", per_rank), "stream_submit")
+
+    def _poll(self, wait_s: float) -> list:
+        """What the ranks finished (each waits up to wait_s for one), and the start versions of the rest."""
+        per_rank = self.rollout.gather(self.rollout.call_all_async("stream_take", wait_s), "stream_take")
+        finished = []
+        for rank, (groups, unfinished, version) in enumerate(per_rank):
+            if version != self.weight_version():
+                raise RuntimeError(f"partial rollout: rollout rank {rank} counts weight version {version}, the driver "
+                                   f"{self.weight_version()}: a weight load outside the driver's syncs")
+            for uid, started in unfinished.items():
+                if uid in self.start_versions:
+                    self.start_versions[uid] = started
+            finished.extend(groups)
+        return finished
+
+    def _receive(self, finished: list, step: int) -> None:
+        """Assemble and score the finished groups (one reward call for all of them)."""
+        if not finished:
+            return
+        batches = []
+        for group in finished:
+            submitted = self.in_flight.pop(group.group)
+            self.start_versions.pop(group.group, None)
+            ids, mask = left_pad([submitted.prompt], self.pad_token_id)
+            batch = assemble_rollout(ids, mask, group.responses, self.n, self.cfg.data.max_response_length,
+                                     self.pad_token_id, self.eos_token_id, group.log_probs)
+            versions, _ = right_pad(group.versions, 0, self.cfg.data.max_response_length)
+            batch["rollout_versions"] = versions
+            batch["group_index"] = torch.full((self.n,), group.group, dtype=torch.long)
+            batches.append((submitted, batch, min(min(v) for v in group.versions if v)))
+        rows = {key: [s.rows[key] for s, _, _ in batches for _ in range(self.n)] for key in ROW_DATA_KEYS}
+        together = torch.cat([b for _, b, _ in batches], dim=0) if len({b["prompts"].shape[1] for _, b, _ in batches}) == 1 \
+            else concat_rollouts([b for _, b, _ in batches], self.pad_token_id)
+        scores, extras = self.score(together, rows)
+        num_errors = extras.get("num_reward_errors", 0)
+        attach_scores(self.cfg, together, scores, extras)
+        section = self.cfg.algorithm.filter_groups
+        varies = None
+        if section.enable:
+            values = together["acc"] if section.metric == "acc" else together["token_level_scores"].sum(-1)
+            varies = groups_with_variance(values, self.n)
+        for index, (submitted, _, start_version) in enumerate(batches):
+            rows_of = slice(index * self.n, (index + 1) * self.n)
+            ready = _Ready(submitted.uid, together[rows_of], start_version, self.num_finished,
+                           num_errors if index == 0 else 0)
+            self.num_finished += 1
+            self.num_generated += 1
+            if varies is not None and not bool(varies[index]):
+                self.dropped.append(ready)  # its place is submitted again (_top_up) unless the cap is hit
+            else:
+                self.ready[ready.uid] = ready
+        if self.dropped:
+            self._check_filter_cap(step)
+
+    def _check_filter_cap(self, step: int) -> None:
+        section = self.cfg.algorithm.filter_groups
+        if self.num_generated <= section.max_num_gen_batches * self.batch_size:
+            return
+        message = (f"algorithm.filter_groups: step {step + 1} generated {self.num_generated} groups, more than "
+                   f"algorithm.filter_groups.max_num_gen_batches={section.max_num_gen_batches} batches' worth, and "
+                   f"{len(self.dropped)} of them had the same {section.metric} for all {self.n} responses")
+        if section.on_cap == "raise":
+            raise RuntimeError(f"{message}: raise max_num_gen_batches, use easier prompts, or set "
+                               "algorithm.filter_groups.on_cap=fill")
+
+    # -- the batch ----------------------------------------------------------------------------------
+    def _choose(self, step: int) -> list[_Ready] | None:
+        """The groups of step's batch (the rule in the class docstring), or None: wait for more."""
+        k, size = self.max_staleness, self.batch_size
+        section = self.cfg.algorithm.filter_groups
+        ready = sorted(self.ready.values(), key=lambda g: (g.start_version, g.finish_index))
+        if section.enable and section.on_cap == "fill" and self.num_generated > section.max_num_gen_batches * size:
+            ready += self.dropped[: max(0, size - len(ready))]  # dropped groups fill the batch
+        if len(ready) < size:
+            return None
+        started = [v for v in self.start_versions.values() if v is not None] + [g.start_version for g in ready]
+        picked: list[_Ready] = []
+        for j in range(k + 1):
+            limit = step - k + j
+            needed = sum(v <= limit for v in started) - j * size - sum(g.start_version <= limit for g in picked)
+            if needed <= 0:
+                continue
+            candidates = [g for g in ready if g.start_version <= limit and g not in picked]
+            if len(candidates) < needed:
+                return None  # an older group is still generating: it must be in this batch
+            picked += candidates[:needed]
+        if len(picked) > size:
+            raise RuntimeError(f"partial rollout: step {step + 1} must train {len(picked)} groups to keep every token "
+                               f"within trainer.max_staleness={k}, more than data.train_batch_size={size}")
+        rest = sorted((g for g in ready if g not in picked), key=lambda g: g.finish_index)
+        return picked + rest[: size - len(picked)]
+
+    def _batch(self, picked: list[_Ready], step: int) -> Rollout:
+        for group in picked:
+            self.ready.pop(group.uid, None)
+        filled = sum(group in self.dropped for group in picked)
+        metrics = {}
+        if self.cfg.algorithm.filter_groups.enable:
+            kept = self.num_generated - len(self.dropped)
+            metrics["rollout/kept_groups_frac"] = kept / max(1, self.num_generated)
+            metrics["rollout/num_gen_batches"] = self.num_generated / self.batch_size
+            if self.cfg.algorithm.filter_groups.on_cap == "fill":
+                metrics["rollout/filled_groups"] = float(filled)
+        self.dropped, self.num_generated = [], 0
+        self.num_trained += len(picked)
+        batch = concat_rollouts([group.batch for group in picked], self.pad_token_id)
+        versions, mask = batch["rollout_versions"], batch["response_mask"].bool()
+        valid = versions[mask]
+        spans = [(row_versions[row_mask].unique().numel() > 1) for row_versions, row_mask in zip(versions, mask)]
+        metrics["rollout/partial_frac"] = float(sum(spans)) / len(spans)  # responses sampled by several versions
+        metrics["rollout/token_staleness_mean"] = float((step - valid).float().mean()) if valid.numel() else 0.0
+        oldest = int(valid.min()) if valid.numel() else self.weight_version()
+        return Rollout(batch, oldest, {"num_reward_errors": sum(g.num_reward_errors for g in picked),
+                                       "metrics": metrics})
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self, timer) -> dict:
+        """The finished groups whole; the prompts of the others (generated again after a resume)."""
+        if self.opened:
+            self._receive(self._poll(wait_s=0.0), step=-1)
+        regenerate = sorted(self.in_flight.values(), key=lambda g: g.uid) + self.backlog
+        return {"streaming": True, "next_uid": self.next_uid, "num_trained": self.num_trained,
+                "num_finished": self.num_finished,
+                "ready": [{"uid": g.uid, "start_version": g.start_version, "finish_index": g.finish_index,
+                           "num_reward_errors": g.num_reward_errors,
+                           "batch": {k: v.clone() for k, v in g.batch.items()}} for g in self.ready.values()],
+                "regenerate": [{"uid": g.uid, "prompt": list(g.prompt), "rows": json.dumps(g.rows)}
+                               for g in regenerate]}
+
+    def load_state_dict(self, state, step: int) -> None:
+        if not state:  # a checkpoint without rollouts in flight (saved without partial rollout)
+            self.next_uid = self.num_trained = step * self.batch_size
+            return
+        self.next_uid, self.num_trained = int(state["next_uid"]), int(state["num_trained"])
+        self.num_finished = int(state["num_finished"])
+        self.ready = {}
+        for record in state["ready"]:
+            batch = record["batch"]
+            self.ready[int(record["uid"])] = _Ready(
+                int(record["uid"]), TensorDict(batch, batch_size=[batch["responses"].shape[0]]),
+                int(record["start_version"]), int(record["finish_index"]), int(record["num_reward_errors"]))
+        self.backlog = [_Submitted(int(r["uid"]), list(r["prompt"]), json.loads(r["rows"])) for r in state["regenerate"]]
+        self.in_flight, self.start_versions = {}, {}
+
+
+def check_resumable(in_flight, step: int, cfg) -> None:
+    """Whether this run can take a checkpoint's rollouts in flight (PPOTrainer.driver_state):
+    within its trainer.max_staleness, and saved with partial rollout if and only if it runs it."""
+    streaming = isinstance(in_flight, dict)
+    if in_flight and streaming != bool(cfg.rollout.partial.enable):
+        raise ValueError(f"the checkpoint of step {step} was saved with rollout.partial.enable={str(streaming).lower()}"
+                         f": resume it with rollout.partial.enable={str(streaming).lower()}")
+    if streaming:
+        lags = [(step - int(g["start_version"]), f"groups generated from the weights after {g['start_version']} steps")
+                for g in in_flight.get("ready", [])]
+    else:
+        lags = [(int(r["step"]) - int(r["weight_version"]),
+                 f"the rollout of step {int(r['step']) + 1}, generated by the weights after {r['weight_version']} steps")
+                for r in in_flight]
+    for lag, what in lags:
+        if lag > cfg.trainer.max_staleness:
+            raise ValueError(f"the checkpoint of step {step} holds {what}; resume with trainer.max_staleness >= {lag} "
+                             f"(the run that saved it allowed that much), not {cfg.trainer.max_staleness}")

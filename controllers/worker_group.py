@@ -246,6 +246,32 @@ class RayWorkerGroup:
                 pass
 
 
+def all_finished(futures: list) -> bool:
+    """Whether every call has returned (or failed), without waiting."""
+    done, _ = ray.wait(futures, num_returns=len(futures), timeout=0, fetch_local=False)
+    return len(done) == len(futures)
+
+
+def gather_groups(calls: list[tuple[RayWorkerGroup, list, str]], startup: bool = False) -> list[list]:
+    """Calls of several groups, (group, futures of its ranks 0.., method), awaited together: calls
+    that meet in one collective across groups leave the others blocked when one fails, so the
+    first failure on any side is raised at once. Returns each group's results."""
+    futures, labels = [], []
+    for group, group_futures, method in calls:
+        futures += group_futures
+        labels += group._labels(method, range(len(group_futures)))
+    first = calls[0][0]
+    if startup:
+        results = get_with_timeout(futures, labels, first.startup_timeout_s, "trainer.startup_timeout_s")
+    else:
+        results = get_with_timeout(futures, labels, first.timeout_s)
+    out, start = [], 0
+    for _, group_futures, _ in calls:
+        out.append(results[start : start + len(group_futures)])
+        start += len(group_futures)
+    return out
+
+
 class IdleWorkers:
     """The worker processes of finished runs in this driver, kept for later runs with the same
     layout (the same roles, worker classes, ranks, placement and worker environment): importing

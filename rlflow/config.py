@@ -24,7 +24,7 @@ from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, e
 from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
 from rlflow.plugins import ENGINE_MODULES, absolute_specs, import_modules
 
-WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store")
+WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store", "collective")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 STRATEGIES = ("fsdp2", "ddp")
 NAN_POLICIES = ("abort", "skip")
@@ -203,6 +203,19 @@ class AgentConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """Partial rollout with streamed groups (workers/rollout/stream.py, docs/ASYNC.md): the rollout
+    group generates continuously; a weight sync lands between two chunks and the responses in
+    flight go on under the new weights; a step trains on the first complete groups. Needs
+    trainer.max_staleness >= 1, which bounds the lag of a batch's oldest token."""
+
+    enable: bool = False
+    chunk_tokens: int = 16  # tokens sampled for every response in flight between two syncs' chances
+    # responses a rollout rank generates at a time; 0: its share of one step's (train_batch_size * n / dp_size)
+    max_rows: int = 0
+
+
+@dataclass
 class RolloutConfig:
     name: str = "auto"  # hf | vllm | auto (vllm when importable) | <module>:<RolloutEngine subclass>
     dp_size: int = 1
@@ -225,11 +238,14 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.1
     enforce_eager: bool = True
     # actor -> rollout weights: shared_memory (a /dev/shm file, same node only), object_store (Ray),
-    # auto (shared_memory when every rollout worker is on actor rank 0's node and it works there)
+    # collective (a broadcast from actor rank 0: gloo on CPU, NCCL on CUDA; any node), auto
+    # (shared_memory when every rollout worker is on actor rank 0's node and it works there)
     weight_sync: str = "auto"
+    weight_sync_bucket_mb: int = 256  # collective: the largest flat buffer one broadcast sends
     # free the engine's memory whenever no rollout call runs (vLLM's sleep mode on CUDA, the HF
     # model to host memory on CUDA; nothing to free on CPU); it keeps its weights while asleep
     sleep: bool = False
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
 
 
@@ -730,6 +746,8 @@ def _check_rollout(cfg: DictConfig) -> None:
           "use rollout.name=vllm (or rollout.dp_size for more rollout ranks)")
     _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
           f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
+    _need(rollout.weight_sync_bucket_mb >= 1,
+          f"rollout.weight_sync_bucket_mb must be >= 1 (MiB per broadcast), got {rollout.weight_sync_bucket_mb}")
     _need(data.train_batch_size % rollout.dp_size == 0,
           f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
     _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
@@ -740,6 +758,26 @@ def _check_rollout(cfg: DictConfig) -> None:
           f"rollout.val_n={rollout.val_n} needs rollout.val_do_sample=true: greedy decoding gives {rollout.val_n} "
           "identical samples per prompt (set rollout.val_do_sample=true, or rollout.val_n=1)")
     _need(rollout.temperature > 0, f"rollout.temperature must be > 0, got {rollout.temperature}")
+    _check_partial(cfg)
+
+
+def _check_partial(cfg: DictConfig) -> None:
+    partial = cfg.rollout.partial
+    if not partial.enable:
+        return
+    _need(partial.chunk_tokens >= 1, f"rollout.partial.chunk_tokens must be >= 1, got {partial.chunk_tokens}")
+    _need(partial.max_rows == 0 or partial.max_rows >= cfg.rollout.n,
+          f"rollout.partial.max_rows={partial.max_rows} must hold one group of rollout.n={cfg.rollout.n} "
+          "responses (or be 0: a rank's share of one step's)")
+    _need(cfg.trainer.max_staleness >= 1,
+          "rollout.partial.enable=true needs trainer.max_staleness >= 1: it bounds how many updates older than the "
+          "actor a batch's oldest token may be (with 0 no weight sync can land while a response is generated)")
+    _need(not cfg.rollout.agent.env, "rollout.partial.enable=true does not run agent episodes (rollout.agent.env): "
+          "their turns need the environment between chunks")
+    _need(not cfg.rollout.sleep, "rollout.partial.enable=true generates between the calls: rollout.sleep must be false")
+    _need("reward_baselines" not in estimator_inputs(cfg.algorithm.adv_estimator),
+          f"rollout.partial.enable=true does not generate the greedy baseline algorithm.adv_estimator="
+          f"{cfg.algorithm.adv_estimator} needs")
 
 
 def _check_reference(cfg: DictConfig) -> None:

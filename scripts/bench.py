@@ -335,10 +335,10 @@ class BareLoop:
 # 2. rlflow, with every worker method timed inside the worker process
 
 _TIMED_METHODS = {
-    "actor": ("compute_log_prob", "update", "get_weights", "publish_weights"),
+    "actor": ("compute_log_prob", "update", "get_weights", "publish_weights", "send_weights"),
     "critic": ("compute_values", "update"),
     "reference": ("compute_ref_log_prob",),
-    "rollout": ("generate", "load_weights", "load_shared_weights"),
+    "rollout": ("generate", "load_weights", "load_shared_weights", "receive_weights"),
     "reward_model": ("score_texts",),
 }
 
@@ -422,9 +422,11 @@ class RLFlowRun:
             "update_actor": w.get("actor.update", 0.0),
             "update_tokens": w.get("actor.update_tokens", float("nan")),
             "update_critic": w.get("critic.update", 0.0),
-            # object-store sync: get_weights + load_weights; shared-memory sync: publish + load
-            "sync": sum(w.get(k, 0.0) for k in ("actor.get_weights", "rollout.load_weights", "actor.publish_weights",
-                                                 "rollout.load_shared_weights")),
+            # object-store sync: get_weights + load_weights; shared-memory sync: publish + load;
+            # collective: send and receive (its load_weights included) run at once
+            "sync": (max(w.get("actor.send_weights", 0.0), w["rollout.receive_weights"]) if "rollout.receive_weights" in w
+                     else sum(w.get(k, 0.0) for k in ("actor.get_weights", "rollout.load_weights",
+                                                      "actor.publish_weights", "rollout.load_shared_weights"))),
             "phase_forward": metrics.get("timing/forward", 0.0),
             "phase_update": metrics.get("timing/update", 0.0),
             "phase_sync": metrics.get("timing/sync", 0.0),

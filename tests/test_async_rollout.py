@@ -86,7 +86,7 @@ def test_queue_state_finishes_what_is_in_flight_and_restores_it():
 
     restored_source = _LoggingSource()
     restored = RolloutQueue(restored_source, 2, total_steps=6)
-    restored.load_state_dict(records)
+    restored.load_state_dict(records, step=1)
     assert int(restored.take(1, Timer()).batch["responses"][0, 0]) == 1
     assert restored_source.calls == [("start", 3)], "only the step not in the checkpoint is started"
     assert int(restored.take(2, Timer()).batch["responses"][0, 0]) == 2

@@ -17,6 +17,7 @@ from workers.base import WorkerBase
 from workers.forward import response_log_probs, share_prompt_setting
 from workers.precision import DTYPES, Precision, cast_parameters_
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing, resident
+from workers.weight_collective import CollectiveWeightSender
 
 
 def load_causal_lm(path: str, dtype: str) -> torch.nn.Module:
@@ -48,7 +49,7 @@ class LogProbMixin:
         return TensorDict({out_key: result.cpu()}, batch_size=td.batch_size)
 
 
-class ActorWorker(LogProbMixin, TrainableWorker):
+class ActorWorker(CollectiveWeightSender, LogProbMixin, TrainableWorker):  # rollout.weight_sync=collective
     role = "actor"
     section = "actor"
     layout_section = "actor"

@@ -161,6 +161,27 @@ register_task(
     )
 )
 
+
+
+def _gen_reverse_long_tail(rng: random.Random, min_len: int, max_len: int, long_min_len: int, long_max_len: int,
+                           long_frac: float) -> tuple[str, str]:
+    if rng.random() < long_frac:
+        return _gen_reverse(rng, long_min_len, long_max_len)
+    return _gen_reverse(rng, min_len, max_len)
+
+
+register_task(
+    dataclasses.replace(
+        TASKS["reverse"],
+        name="reverse_long_tail",
+        generate=_gen_reverse_long_tail,
+        defaults={"min_len": 3, "max_len": 6, "long_min_len": 40, "long_max_len": 56, "long_frac": 0.125},
+        description="reverse, with one prompt in 8 of 40-56 digits: most responses short, a few long "
+        "(the long tail partial rollout is for, docs/ASYNC.md; data.max_prompt_length and "
+        "data.max_response_length 64)",
+    )
+)
+
 from rlflow.data import word_problems as _word_problems  # noqa: E402 (plain module, no cycle)
 
 register_task(

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.plugins import ENGINE_MODULES
-from rlflow.protocol import assemble_rollout
+from rlflow.protocol import assemble_rollout, left_pad
 
 ENGINES: dict[str, type["RolloutEngine"]] = {}
 
@@ -119,6 +119,18 @@ class RolloutEngine:
             top_p=self.top_p if top_p is None else float(top_p), max_new_tokens=width)
         return assemble_rollout(input_ids, attention_mask, responses, n, width, self.pad_token_id, self.eos_token_id,
                                 log_probs)
+
+    def continue_ids(self, sequences: list[list[int]], *, do_sample: bool, seed: int | None, return_log_probs: bool,
+                     temperature: float, top_p: float, max_new_tokens: int
+                     ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One sample of up to max_new_tokens more tokens after each sequence (a prompt and its
+        response so far): a chunk of partial rollout (workers/rollout/stream.py). The prefix is
+        read again under the engine's current weights, as the peers' partial rollouts resume an
+        interrupted request; an engine with a cheaper way to resume overrides this."""
+        input_ids, attention_mask = left_pad(sequences, self.pad_token_id)
+        return self.generate_ids(input_ids, attention_mask, n=1, do_sample=do_sample, seed=seed,
+                                 return_log_probs=return_log_probs, temperature=temperature, top_p=top_p,
+                                 max_new_tokens=max_new_tokens)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError

@@ -1,0 +1,287 @@
+"""Partial rollout with streamed groups (rollout.partial, workers/rollout/stream.py,
+controllers/rollout_source.py StreamingQueue).
+
+- In process, on the HF engine: a response sampled across a weight load carries, per token, the
+  version that sampled it and that version's own log-prob of it.
+- The batch rule on the driver: every token within trainer.max_staleness updates, first finished
+  first otherwise.
+- Real fits (Ray workers, tiny model): every prompt handed to the rollout group is trained exactly
+  once, across a checkpoint resume too (the rule: groups still generating at the checkpoint are
+  generated again from their prompts).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# ------------------------------------------------------------------------------------------------
+# in process: the stream and the engine
+# ------------------------------------------------------------------------------------------------
+
+
+def _hf_engine(model_dir: str, temperature: float = 1.0):
+    from transformers import AutoTokenizer
+
+    from workers.rollout.hf import HFRollout
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return HFRollout(model_dir, max_prompt_length=16, max_response_length=8, temperature=temperature,
+                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, device="cpu")
+
+
+def _log_probs_under(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def test_a_response_across_a_weight_load_carries_each_tokens_version_and_log_prob(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from workers.rollout.stream import GroupStream
+
+    temperature = 0.8
+    engine = _hf_engine(tiny_model_dir, temperature)
+    eos = engine.eos_token_id
+    logits_bias = torch.zeros(engine.model.config.vocab_size)
+    logits_bias[eos] = -1e4  # no EOS: every response runs across the load
+    engine.model.lm_head.bias = torch.nn.Parameter(logits_bias, requires_grad=False)
+    stream = GroupStream(engine, n=2, max_rows=4, chunk_tokens=3, max_response_length=8, eos_token_id=eos,
+                         do_sample=True, return_log_probs=True, seed=5)
+    prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11], 2: [12, 13]}  # 3 groups of 2 responses, room for 2 groups
+    stream.submit(list(prompts), list(prompts.values()))
+    versions_model = {0: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()}
+    versions_model[0].lm_head.bias = torch.nn.Parameter(logits_bias.clone(), requires_grad=False)
+    stream.step(0)
+    assert stream.unfinished() == {0: 0, 1: 0, 2: None}, "group 2 waits for room"
+    # version 1: other weights, loaded between two chunks
+    generator = torch.Generator().manual_seed(1)
+    new_state = {k: v + 0.5 * torch.randn(v.shape, generator=generator) if v.is_floating_point() and "bias" not in k
+                 else v.clone() for k, v in engine.model.state_dict().items()}
+    engine.load_weights(new_state)
+    versions_model[1] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    versions_model[1].load_state_dict(new_state, strict=False)
+    versions_model[1].lm_head.bias = torch.nn.Parameter(logits_bias.clone(), requires_grad=False)
+    finished = []
+    while stream.has_work():
+        stream.step(1)
+        finished += stream.take_finished()
+    assert sorted(group.group for group in finished) == [0, 1, 2]
+    spanning = 0
+    for group in finished:
+        for tokens, log_probs, versions in zip(group.responses, group.log_probs, group.versions, strict=True):
+            assert len(tokens) == len(log_probs) == len(versions) == 8
+            if group.group == 2:
+                assert versions == [1] * 8, "started after the load"
+            else:
+                assert versions == [0] * 3 + [1] * 5, "one chunk under version 0, the rest under version 1"
+                spanning += 1
+            prompt = prompts[group.group]
+            for version in set(versions):
+                expected = _log_probs_under(versions_model[version], prompt, tokens, temperature)
+                got = [lp for lp, v in zip(log_probs, versions) if v == version]
+                want = [lp for lp, v in zip(expected, versions) if v == version]
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-4, rtol=0)
+    assert spanning == 4
+    # the other version's log-probs differ: the comparison above tells the versions apart
+    tokens = finished[0].responses[0]
+    assert max(abs(a - b) for a, b in zip(_log_probs_under(versions_model[0], prompts[finished[0].group], tokens, temperature),
+                                          _log_probs_under(versions_model[1], prompts[finished[0].group], tokens, temperature))) > 0.1
+
+
+def test_a_finished_response_frees_its_slot_for_the_next_group(tiny_model_dir):
+    """Streaming: a group that ends early makes room at once; the long one goes on."""
+    from workers.rollout.stream import GroupStream
+
+    engine = _hf_engine(tiny_model_dir)
+    eos = engine.eos_token_id
+
+    class EndsGroupZeroAtOnce:
+        """The tiny engine, except that group 0's responses (prompt [5]) end with their first token."""
+        temperature, top_p, eos_token_id = 1.0, 1.0, eos
+
+        def continue_ids(self, sequences, **kwargs):
+            tokens, log_probs = engine.continue_ids(sequences, **kwargs)
+            tokens = [[eos] * len(t) if seq[:1] == [5] else [t_ if t_ != eos else 7 for t_ in t]
+                      for seq, t in zip(sequences, tokens)]
+            return tokens, log_probs
+
+    stream = GroupStream(EndsGroupZeroAtOnce(), n=2, max_rows=4, chunk_tokens=2, max_response_length=8,
+                         eos_token_id=eos, do_sample=True, return_log_probs=True, seed=0)
+    stream.submit([0, 1, 2], [[5], [6, 6], [7, 7]])
+    stream.step(0)
+    assert [g.group for g in stream.take_finished()] == [0]
+    stream.step(0)
+    assert stream.unfinished() == {1: 0, 2: 0}, "group 2 took group 0's slots"
+    while stream.has_work():
+        stream.step(0)
+    assert sorted(g.group for g in stream.take_finished()) == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# the driver's batch rule
+# ------------------------------------------------------------------------------------------------
+
+
+class _Group:
+    def __init__(self, uid, start_version, finish_index):
+        self.uid, self.start_version, self.finish_index = uid, start_version, finish_index
+
+
+def _queue(max_staleness: int, batch_size: int):
+    from controllers.rollout_source import StreamingQueue
+    from rlflow import load_config
+
+    cfg = load_config(None, [f"trainer.max_staleness={max_staleness}", f"data.train_batch_size={batch_size}",
+                             "rollout.partial.enable=true", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"])
+    return StreamingQueue(cfg, loader=None, rollout_group=None, scorer=None, weight_version=lambda: 0,
+                          pad_token_id=0, eos_token_id=1, total_steps=100)
+
+
+def test_the_batch_takes_groups_about_to_be_too_stale_then_the_first_finished():
+    queue = _queue(max_staleness=1, batch_size=2)
+    # step 3: groups 0, 1 started at version 2 (due at step 3: 2 + 1); 2, 3 at version 3
+    queue.ready = {0: _Group(0, 2, 9), 2: _Group(2, 3, 1), 3: _Group(3, 3, 2)}
+    queue.start_versions = {1: 2}  # group 1 still generating
+    assert queue._choose(3) is None, "group 1 must be in step 3's batch: wait for it"
+    queue.start_versions = {}
+    queue.ready[1] = _Group(1, 2, 10)
+    assert [g.uid for g in queue._choose(3)] == [0, 1]
+    # nothing due: the first finished, whatever their age
+    queue.ready = {0: _Group(0, 3, 9), 2: _Group(2, 3, 1), 3: _Group(3, 3, 2)}
+    assert [g.uid for g in queue._choose(3)] == [2, 3]
+    # one due, one place left: the earliest finished of the rest
+    queue.ready = {0: _Group(0, 2, 9), 2: _Group(2, 3, 4), 3: _Group(3, 3, 2)}
+    assert [g.uid for g in queue._choose(3)] == [0, 3]
+
+
+def test_the_batch_keeps_later_steps_within_the_bound():
+    """k = 2: four groups started at version 1 cannot all wait for step 3; two must go at step 2."""
+    queue = _queue(max_staleness=2, batch_size=2)
+    queue.ready = {uid: _Group(uid, 1, 10 + uid) for uid in range(4)} | {9: _Group(9, 2, 0), 8: _Group(8, 2, 1)}
+    picked = [g.uid for g in queue._choose(2)]
+    assert picked == [0, 1], "N_1 = 4 groups at version <= 1: 4 - 1 * 2 = 2 of them now"
+
+
+def test_partial_needs_staleness_and_names_the_keys():
+    from conftest import tiny_overrides
+    from rlflow import load_config
+    from rlflow.config import ConfigError
+
+    for extra, pattern in ((["trainer.max_staleness=0"], r"needs trainer\.max_staleness >= 1"),
+                           (["trainer.max_staleness=1", "rollout.partial.chunk_tokens=0"], r"chunk_tokens must be >= 1"),
+                           (["trainer.max_staleness=1", "rollout.sleep=true"], r"rollout\.sleep must be false"),
+                           (["trainer.max_staleness=1", "algorithm.adv_estimator=remax"], r"greedy baseline")):
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(None, tiny_overrides("unused", **{"rollout.partial.enable": True}) + extra)
+
+
+def test_a_checkpoint_resumes_only_with_its_own_rollout_mode():
+    from conftest import tiny_overrides
+    from controllers.rollout_source import check_resumable
+    from rlflow import load_config
+
+    partial = load_config(None, tiny_overrides("unused", **{"rollout.partial.enable": True, "trainer.max_staleness": 1}))
+    whole = load_config(None, tiny_overrides("unused", **{"trainer.max_staleness": 1}))
+    streamed = {"streaming": True, "ready": [{"start_version": 3}], "regenerate": []}
+    check_resumable(streamed, 4, partial)
+    check_resumable([], 4, partial)  # nothing in flight: either mode
+    with pytest.raises(ValueError, match=r"saved with rollout\.partial\.enable=true: resume it with rollout\.partial\.enable=true"):
+        check_resumable(streamed, 4, whole)
+    with pytest.raises(ValueError, match=r"resume it with rollout\.partial\.enable=false"):
+        check_resumable([{"step": 4, "weight_version": 4}], 4, partial)
+    with pytest.raises(ValueError, match=r"resume with trainer\.max_staleness >= 2"):
+        check_resumable(streamed, 5, partial)
+
+
+# ------------------------------------------------------------------------------------------------
+# real fits
+# ------------------------------------------------------------------------------------------------
+STEPS = 3
+
+
+def _partial_config(model_dir: str, out: str, record: str, **extra):
+    from conftest import tiny_overrides
+    from rlflow import load_config
+
+    values = {"trainer.total_steps": STEPS, "trainer.default_local_dir": out, "trainer.record_rollouts": record,
+              "algorithm.adv_estimator": "grpo", "trainer.max_staleness": 1, "rollout.partial.enable": True,
+              "rollout.partial.chunk_tokens": 2, "trainer.save_freq": 1, "trainer.max_to_keep": STEPS,
+              "algorithm.rollout_correction.mode": "token_tis", **extra}
+    return load_config(None, tiny_overrides(model_dir, **values))
+
+
+def _trained_groups(record: str, steps) -> list[int]:
+    from controllers.rollout_source import read_recorded
+
+    return [int(g) for step in steps for g in read_recorded(record, step).batch["group_index"][::2].tolist()]
+
+
+@pytest.fixture(scope="module")
+def partial_fit(ray_session, tiny_model_dir, tmp_path_factory):
+    from rlflow import RLFlow
+
+    base = tmp_path_factory.mktemp("partial")
+    history = RLFlow(_partial_config(tiny_model_dir, str(base / "run"), str(base / "record"))).fit()
+    return base, history
+
+
+def test_partial_fit_trains_every_prompt_once_within_the_staleness_bound(partial_fit):
+    from controllers.rollout_source import read_recorded
+
+    base, history = partial_fit
+    steps = [h for h in history if h["step"] >= 1]
+    assert len(steps) == STEPS
+    for h in steps:
+        assert 0 <= h["rollout/staleness"] <= 1
+        assert 0.0 <= h["rollout/partial_frac"] <= 1.0 and "rollout/token_staleness_mean" in h
+        assert torch.isfinite(torch.tensor(h["actor/pg_loss"]))
+    groups = _trained_groups(str(base / "record"), range(STEPS))
+    assert sorted(groups) == list(range(STEPS * 8)), "every prompt handed out, trained once"
+    for step in range(STEPS):
+        batch = read_recorded(str(base / "record"), step).batch
+        versions = batch["rollout_versions"][batch["response_mask"].bool()]
+        assert versions.min() >= step - 1 and versions.max() <= step, "each token within max_staleness=1"
+        assert (batch["rollout_log_probs"][batch["response_mask"].bool()] < 0).all()
+
+
+def test_partial_resume_trains_every_prompt_once(partial_fit, tiny_model_dir, tmp_path):
+    """Resumed from the step-1 checkpoint: the groups still generating then are generated again
+    from their prompts; the run's prompts are each trained exactly once, none lost."""
+    from rlflow import RLFlow
+
+    base, _ = partial_fit
+    step1 = os.path.join(str(base / "run"), "rlflow", "default", "checkpoints", "step_1")
+    record = str(tmp_path / "record")
+    history = RLFlow(_partial_config(tiny_model_dir, str(tmp_path / "run"), record,
+                                     **{"trainer.resume_mode": step1})).fit()
+    assert [h["step"] for h in history if h["step"] >= 2] == [2, 3]
+    before = _trained_groups(str(base / "record"), [0])
+    after = _trained_groups(record, [1, 2])
+    assert sorted(before + after) == list(range(STEPS * 8))
+
+
+def test_a_response_crosses_a_sync_through_the_workers(ray_session, tiny_model_dir, tmp_path):
+    """Through Ray: the second step's groups wait after their first chunk until the first step's
+    sync has landed (tests/stream_workers.py), then finish under the new weights: their tokens
+    carry both versions, in order (the log-prob of each version is checked in process above)."""
+    import stream_workers
+    from controllers.ppo import PPOTrainer
+    from controllers.rollout_source import read_recorded
+
+    record = str(tmp_path / "record")
+    cfg = _partial_config(tiny_model_dir, str(tmp_path / "run"), record,
+                          **{"trainer.total_steps": 2, "trainer.save_freq": -1, "data.max_response_length": 6})
+    history = PPOTrainer(cfg, worker_classes={"rollout": stream_workers.WaitsForSync}).fit()
+    batch = read_recorded(record, 1).batch
+    mask = batch["response_mask"].bool()
+    spanning = [row for row in range(batch.batch_size[0]) if batch["rollout_versions"][row][mask[row]].unique().numel() == 2]
+    assert spanning, "a response sampled by the weights of step 0 and of step 1"
+    assert history[-1]["rollout/partial_frac"] == len(spanning) / batch.batch_size[0]
+    for row in spanning:
+        versions = batch["rollout_versions"][row][mask[row]]
+        assert versions.tolist() == sorted(versions.tolist()) and set(versions.tolist()) == {0, 1}
