@@ -30,13 +30,13 @@ class WaitsForSync(RolloutWorker):
             rows = list(stream.active)
             if (not held["done"] and rows and all(row.group >= first_step_groups and row.tokens for row in rows)):
                 held["done"] = True
-                self._engine_lock.release()  # let the sync in
+                self._engine_lock.lock.release()  # let the sync in
                 try:
                     deadline = time.monotonic() + 60
                     while runner.version == version and time.monotonic() < deadline:
                         time.sleep(0.01)
                 finally:
-                    self._engine_lock.acquire()
+                    self._engine_lock.lock.acquire()
                 version = runner.version
             step(version, guard)
 

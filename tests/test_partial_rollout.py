@@ -122,6 +122,34 @@ def test_a_finished_response_frees_its_slot_for_the_next_group(tiny_model_dir):
     assert sorted(g.group for g in stream.take_finished()) == [1, 2]
 
 
+def test_a_call_takes_the_engine_before_the_streams_next_chunk():
+    """A weight load waits for the chunk in progress, not for the stream to run out of work."""
+    import threading
+    import time
+
+    from workers.rollout.stream import EngineLock
+
+    lock, chunks, stop = EngineLock(), [0], threading.Event()
+
+    def stream():
+        while not stop.is_set():
+            with lock.chunk():
+                time.sleep(0.005)
+                chunks[0] += 1
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.02)
+            before = chunks[0]
+            with lock.call():
+                assert chunks[0] - before <= 2, "the call waited more than the chunk in progress"
+    finally:
+        stop.set()
+        thread.join()
+
+
 # ------------------------------------------------------------------------------------------------
 # the driver's batch rule
 # ------------------------------------------------------------------------------------------------

@@ -132,13 +132,45 @@ class GroupStream:
         self.active = [row for row in self.active if row.group not in done]
 
 
+class EngineLock:
+    """The engine, shared by a stream's chunks and the worker's calls (a weight load, a
+    validation). A call waiting for it goes before the stream's next chunk: with a plain lock the
+    stream thread, which asks again as soon as a chunk ends, could keep it for as long as it has
+    work."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._turn = threading.Condition()
+        self._calls_waiting = 0
+
+    @contextlib.contextmanager
+    def call(self):
+        with self._turn:
+            self._calls_waiting += 1
+        self.lock.acquire()
+        with self._turn:
+            self._calls_waiting -= 1
+            self._turn.notify_all()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def chunk(self):
+        with self._turn:
+            self._turn.wait_for(lambda: self._calls_waiting == 0)
+        with self.lock:
+            yield
+
+
 class StreamRunner:
     """A GroupStream driven by its own thread. `engine_lock` is held for every chunk: a weight load
-    or another generate call takes the engine between two chunks. The weight version is counted
+    or another generate call takes the engine between two chunks (EngineLock). The weight version is counted
     here: the one the stream was opened with, then one more per `weights_loaded` (the driver syncs
     once per step after opening; controllers/rollout_source.py checks the count it reports)."""
 
-    def __init__(self, stream: GroupStream, engine_lock: threading.Lock, version: int, threads: callable):
+    def __init__(self, stream: GroupStream, engine_lock: EngineLock, version: int, threads: callable):
         self.stream, self.engine_lock, self.version = stream, engine_lock, version
         self.threads = threads  # the share of the cores the worker's current phase has
         self.changed = threading.Condition()
@@ -180,7 +212,7 @@ class StreamRunner:
                     self.changed.wait_for(lambda: self.stopping or self.stream.has_work())
                     if self.stopping:
                         return
-                with self.engine_lock:
+                with self.engine_lock.chunk():
                     threads = self.threads()
                     if threads and torch.get_num_threads() != threads:  # a thread count is per thread
                         torch.set_num_threads(threads)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import threading
 
 import torch
 from tensordict import TensorDict
 
 from workers.base import WorkerBase
 from workers.rollout.engine import get_engine
-from workers.rollout.stream import FinishedGroup, GroupStream, StreamRunner
+from workers.rollout.stream import EngineLock, FinishedGroup, GroupStream, StreamRunner
 from workers.weight_collective import CollectiveWeightReceiver
 from workers.weight_share import MappedWeights, WeightLayout
 
@@ -38,7 +37,7 @@ class RolloutWorker(CollectiveWeightReceiver, WorkerBase):  # rollout.weight_syn
             model_path, self.cfg, device=self.device, seed=self.cfg.trainer.seed + 1000 * self.rank,
             pad_token_id=pad_token_id, eos_token_id=eos_token_id)
         self.engine_name = name
-        self._engine_lock = threading.Lock()  # a call takes the engine between two chunks of a stream
+        self._engine_lock = EngineLock()  # a call takes the engine between two chunks of a stream
         if self.cfg.rollout.sleep:
             self.engine.sleep()
         return name
@@ -57,7 +56,7 @@ class RolloutWorker(CollectiveWeightReceiver, WorkerBase):  # rollout.weight_syn
         whenever no call runs, so the trainers' phases have it; it keeps its weights while asleep.
         Under rollout.partial a stream thread generates between the calls: each call takes the
         engine between two of its chunks."""
-        with self._engine_lock:
+        with self._engine_lock.call():
             if not self.cfg.rollout.sleep:
                 yield
                 return
