@@ -313,3 +313,25 @@ def test_a_response_crosses_a_sync_through_the_workers(ray_session, tiny_model_d
     for row in spanning:
         versions = batch["rollout_versions"][row][mask[row]]
         assert versions.tolist() == sorted(versions.tolist()) and set(versions.tolist()) == {0, 1}
+
+
+def test_dynamic_sampling_filters_the_stream(ray_session, tiny_model_dir, tmp_path):
+    """algorithm.filter_groups on the stream: a group whose responses all score the same is dropped
+    as it arrives and another prompt takes its place, so every trained group varies."""
+    from text_rewards import REWARD_FILE
+
+    from controllers.rollout_source import read_recorded
+    from rlflow import RLFlow
+
+    record = str(tmp_path / "record")
+    cfg = _partial_config(tiny_model_dir, str(tmp_path / "run"), record, **{
+        "trainer.total_steps": 2, "trainer.save_freq": -1, "reward.custom_function.path": REWARD_FILE,
+        "reward.custom_function.name": "exactness_score", "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "score", "algorithm.filter_groups.max_num_gen_batches": 10})
+    history = RLFlow(cfg).fit()
+    for step in range(2):
+        batch = read_recorded(record, step).batch
+        scores = batch["token_level_scores"].sum(-1).view(-1, 2)
+        assert (scores[:, 0] != scores[:, 1]).all(), "only groups whose scores vary are trained"
+        assert batch["group_index"][::2].unique().numel() == 8
+    assert all(0 < h["rollout/kept_groups_frac"] <= 1 for h in history if h["step"] >= 1)

@@ -35,8 +35,12 @@ def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
     params = [param for param in params if param.requires_grad]
     if optim_cfg.name == "sgd":
         return torch.optim.SGD(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+    # the fused kernel: one pass over each tensor instead of a chain of elementwise ops (the
+    # default of transformers' Trainer, so of TRL); it needs every tensor on a device it supports
+    fused = all(param.is_floating_point() and param.device.type in ("cpu", "cuda") for param in params)
     return torch.optim.AdamW(
-        params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay
+        params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay,
+        fused=fused or None,
     )
 
 
