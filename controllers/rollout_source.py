@@ -290,8 +290,7 @@ class RecordingSource(RolloutSource):
 
 
 def write_record(folder: str, step: int, rollout: Rollout) -> None:
-    """step's batch into <folder>/step_<N>.pt, atomically."""
-    os.makedirs(folder, exist_ok=True)
+    """step's batch into <folder>/step_<N>.pt (an existing folder), atomically."""
     path = step_file(folder, step)
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(rollout_record(rollout), tmp)
@@ -422,6 +421,8 @@ class StreamingQueue:
         self.ready: dict[int, _Ready] = {}
         self.dropped: list[_Ready] = []  # dynamic sampling: groups without variance since the last batch
         self.num_generated = 0  # groups finished since the last batch (dynamic sampling's count)
+        if cfg.trainer.record_rollouts:
+            os.makedirs(cfg.trainer.record_rollouts, exist_ok=True)
 
     # -- what the loop calls ----------------------------------------------------------------------
     def take(self, step: int, timer) -> Rollout:
@@ -473,6 +474,8 @@ class StreamingQueue:
         """Submit groups until (step + k + 1) * B are accounted for (trained, ready or in flight)."""
         target = min(step + self.max_staleness + 1, self.total_steps) * self.batch_size
         wanted = target - (self.num_trained + len(self.ready) + len(self.in_flight))
+        if wanted <= 0:
+            return
         while len(self.backlog) < wanted:
             prompts = next(self.loader)
             rows = {key: get_row_data(prompts, key) for key in ROW_DATA_KEYS}
@@ -480,8 +483,6 @@ class StreamingQueue:
                 ids = prompts["input_ids"][index][prompts["attention_mask"][index].bool()].tolist()
                 self.backlog.append(_Submitted(self.next_uid, ids, {k: v[index] for k, v in rows.items()}))
                 self.next_uid += 1
-        if wanted <= 0:
-            return
         submit, self.backlog = self.backlog[:wanted], self.backlog[wanted:]
         dp = self.rollout.dp_size
         per_rank = [([], []) for _ in range(dp)]
@@ -522,8 +523,7 @@ class StreamingQueue:
             batch["group_index"] = torch.full((self.n,), group.group, dtype=torch.long)
             batches.append((submitted, batch, min(min(v) for v in group.versions if v)))
         rows = {key: [s.rows[key] for s, _, _ in batches for _ in range(self.n)] for key in ROW_DATA_KEYS}
-        together = torch.cat([b for _, b, _ in batches], dim=0) if len({b["prompts"].shape[1] for _, b, _ in batches}) == 1 \
-            else concat_rollouts([b for _, b, _ in batches], self.pad_token_id)
+        together = concat_rollouts([b for _, b, _ in batches], self.pad_token_id)
         scores, extras = self.score(together, rows)
         num_errors = extras.get("num_reward_errors", 0)
         attach_scores(self.cfg, together, scores, extras)
@@ -545,9 +545,13 @@ class StreamingQueue:
         if self.dropped:
             self._check_filter_cap(step)
 
+    def _past_filter_cap(self) -> bool:
+        """Dynamic sampling generated more than max_num_gen_batches batches' worth since the last batch."""
+        return self.num_generated > self.cfg.algorithm.filter_groups.max_num_gen_batches * self.batch_size
+
     def _check_filter_cap(self, step: int) -> None:
         section = self.cfg.algorithm.filter_groups
-        if self.num_generated <= section.max_num_gen_batches * self.batch_size:
+        if not self._past_filter_cap():
             return
         message = (f"algorithm.filter_groups: step {step + 1} generated {self.num_generated} groups, more than "
                    f"algorithm.filter_groups.max_num_gen_batches={section.max_num_gen_batches} batches' worth, and "
@@ -562,7 +566,7 @@ class StreamingQueue:
         k, size = self.max_staleness, self.batch_size
         section = self.cfg.algorithm.filter_groups
         ready = sorted(self.ready.values(), key=lambda g: (g.start_version, g.finish_index))
-        if section.enable and section.on_cap == "fill" and self.num_generated > section.max_num_gen_batches * size:
+        if section.enable and section.on_cap == "fill" and self._past_filter_cap():
             ready += self.dropped[: max(0, size - len(ready))]  # dropped groups fill the batch
         if len(ready) < size:
             return None

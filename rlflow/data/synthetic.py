@@ -162,7 +162,6 @@ register_task(
 )
 
 
-
 def _gen_reverse_long_tail(rng: random.Random, min_len: int, max_len: int, long_min_len: int, long_max_len: int,
                            long_frac: float) -> tuple[str, str]:
     if rng.random() < long_frac:
