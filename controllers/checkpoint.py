@@ -35,7 +35,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -49,32 +48,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from controllers.worker_group import RayWorkerGroup
+from rlflow.checkpoint_paths import (LATEST, MANIFEST, CheckpointError, checkpoint_root, find_latest,
+                                     list_checkpoints, resolve_checkpoint)
 from rlflow.config import config_to_dict
 from rlflow.files import sha256_file
 from workers import lora
 
 FORMAT_VERSION = 2  # 2: the driver state under "driver"; recorded rollouts no longer inside
-MANIFEST = "manifest.json"
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 MODEL_FILE = "model.safetensors"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # peft's names
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _MAX_HF_FILE = 200 * 2**20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the checkpoint and the file."""
 
 
 # ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
 
 
 def save(trainer, step: int) -> str:
@@ -319,43 +309,6 @@ def _fsync_dir(path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # finding and verifying
 # ---------------------------------------------------------------------------------------------
-
-
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, folder name) of every committed checkpoint folder under `root`."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        if match and os.path.isdir(os.path.join(root, name)):
-            found.append((int(match.group(1)), name))
-    return sorted(found)
-
-
-def find_latest(root: str) -> str | None:
-    """The checkpoint `latest` names; without a usable pointer, the highest step_<N> folder."""
-    pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
-        if _STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name)):
-            return os.path.join(root, name)
-        _warn(f"{pointer} names {name!r}, which is not a checkpoint folder there; using the highest step_<N> folder")
-    found = list_checkpoints(root)
-    return os.path.join(root, found[-1][1]) if found else None
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A step folder, or a checkpoints folder / run folder (-> its latest checkpoint)."""
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, MANIFEST)) or _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-        return path
-    for root in (path, checkpoint_root(path)):
-        latest = find_latest(root)
-        if latest is not None:
-            return latest
-    raise CheckpointError(f"{path} is not an rlflow checkpoint folder (no {MANIFEST}) and holds no checkpoints")
 
 
 def verify(ckpt_dir: str) -> dict:

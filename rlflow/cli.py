@@ -16,7 +16,7 @@ What counts as a user error (decided here, by type and by when it is raised):
 - before Ray starts (no Ray session in this process yet; `rlflow config`, `plot`, `export` and
   `convert` never start one): ValueError (rlflow's validation of data files, model folders and
   tokenizers raises it), FileNotFoundError, IsADirectoryError, NotADirectoryError,
-  FileExistsError, omegaconf's errors and controllers.checkpoint.CheckpointError.
+  FileExistsError, omegaconf's errors and rlflow.checkpoint_paths.CheckpointError.
 Once Ray has started, only the first group is one line: a ValueError or a missing file there may
 be a bug of rlflow and keeps its traceback. argparse's usage errors keep argparse's format (usage,
 then `rlflow: error: ...`, exit status 2).
@@ -121,7 +121,7 @@ def is_user_error(err: BaseException, ray_started: bool | None = None) -> bool:
     if _ray_started() if ray_started is None else ray_started:
         return False
     pre_start = _PRE_START_TYPES + tuple(t for t in (_loaded("omegaconf.errors", "OmegaConfBaseException"),
-                                                     _loaded("controllers.checkpoint", "CheckpointError"))
+                                                     _loaded("rlflow.checkpoint_paths", "CheckpointError"))
                                          if t is not None)
     return isinstance(err, pre_start)
 
