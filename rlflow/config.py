@@ -376,6 +376,14 @@ class TrainerConfig:
     save_freq: int = -1
     resume_mode: str = "auto"  # auto | disable | a checkpoint path
     max_to_keep: int = 2
+    # a worker lost (its process died, or a call hung past remote_timeout_s): restart the worker
+    # groups, restore the newest restore point and go on, up to this many times (0: stop)
+    max_failures: int = 0
+    # with max_failures: every this many steps, a copy of the trained state in the driver's memory
+    # (a restore point newer than the last checkpoint; 0: checkpoints only)
+    snapshot_freq: int = 0
+    # write each checkpoint in a thread while the next steps run (the state is collected first)
+    async_save: bool = False
     seed: int = 0
     deterministic: bool = False
     replay_rollouts: str | None = None  # a folder of recorded rollouts to train on instead of generating
@@ -589,6 +597,206 @@ def micro_batch_token_budget(section) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Numeric ranges: one table (NUMERIC_RANGES), one check (check_ranges)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: from `low` to `high`, each end closed or open, or absent
+    (None: unbounded). `meaning` is a short note the error repeats ("0: off"); `null`: None is
+    accepted too. A list value (optim.betas) has each element checked."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    meaning: str = ""
+    null: bool = False
+
+    def contains(self, value: Any) -> bool:
+        if value is None:
+            return self.null
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        low = f"{'>' if self.low_open else '>='} {self.low}" if self.low is not None else ""
+        if self.high is None:
+            text = low or "a number"
+        elif self.high == float("inf") and self.high_open:
+            text = f"{low} and finite" if low else "finite"
+        elif self.low is None:
+            text = f"{'<' if self.high_open else '<='} {self.high}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        return f"{text} or null" if self.null else text
+
+    def error(self, key: str, value: Any) -> str:
+        """The one line naming the key: `actor.optim.lr must be > 0, got -0.0001`."""
+        note = f" ({self.meaning})" if self.meaning else ""
+        return f"{key} must be {self.describe()}{note}, got {'null' if value is None else value}"
+
+
+def at_least(low: float, meaning: str = "", null: bool = False) -> Range:
+    return Range(low=low, meaning=meaning, null=null)
+
+
+def above(low: float, meaning: str = "") -> Range:
+    return Range(low=low, low_open=True, meaning=meaning)
+
+
+def within(low: float, high: float, ends: str = "[]", meaning: str = "") -> Range:
+    """`ends`: "[]", "[)", "(]" or "()", as the interval is written."""
+    return Range(low=low, high=high, low_open=ends[0] == "(", high_open=ends[1] == ")", meaning=meaning)
+
+
+def seconds() -> Range:
+    return Range(low=0, high=float("inf"), low_open=True, high_open=True, meaning="seconds")
+
+
+def _expand_keys(table: dict[str, Range]) -> dict[str, Range]:
+    """`{actor,critic}.optim.lr` -> actor.optim.lr and critic.optim.lr (one brace group per key)."""
+    expanded: dict[str, Range] = {}
+    for pattern, allowed in table.items():
+        head, brace, rest = pattern.partition("{")
+        if not brace:
+            expanded[pattern] = allowed
+            continue
+        names, _, tail = rest.partition("}")
+        for name in names.split(","):
+            expanded[f"{head}{name}{tail}"] = allowed
+    return expanded
+
+
+# Every numeric key of the schema with a meaningful range, decided from how the code reads it
+# (sizes are counts >= 1, timeouts seconds > 0, coefficients >= 0, ...). check_ranges runs it first
+# in validate_config, so the checks after it can divide by sizes; checks that relate two keys
+# (divisibility, rollout.n >= 2 for group estimators, low < high) stay in the section checks.
+# A new int/float key goes here or in NO_RANGE (tests/test_config.py holds every key to that).
+NUMERIC_RANGES: dict[str, Range] = _expand_keys({
+    # data
+    "data.synthetic_train_size": at_least(1),
+    "data.synthetic_val_size": at_least(1),
+    "data.max_prompt_length": at_least(1),
+    "data.max_response_length": at_least(1),
+    "data.train_batch_size": at_least(1),
+    "data.val_batch_size": at_least(1),
+    # the trained roles (critic's None keys are the actor's by now)
+    "{actor,critic}.dp_size": at_least(1),
+    "{actor,critic}.ppo_mini_batch_size": at_least(1),
+    "{actor,critic}.ppo_micro_batch_size_per_gpu": at_least(1),
+    "{actor,critic}.ppo_max_token_len_per_gpu": at_least(1),
+    "{actor,critic}.sp_size": at_least(1, "1: no sequence parallelism"),
+    "{actor,critic}.ppo_epochs": at_least(1),
+    "{actor,critic}.loss_scale_factor": above(0),
+    "{actor,critic}.grad_clip": above(0, "the largest gradient norm; inf: no clipping"),
+    "{actor,critic}.optim.lr": above(0),
+    "{actor,critic}.optim.weight_decay": at_least(0),
+    "{actor,critic}.optim.betas": within(0, 1, "[)"),
+    "{actor,critic}.optim.eps": at_least(0),
+    "{actor,critic}.optim.warmup_steps": at_least(0, "0: no warmup"),
+    "actor.lora.rank": at_least(0, "0: LoRA off"),
+    "actor.lora.alpha": above(0),
+    "actor.lora.dropout": within(0, 1, "[)"),
+    "actor.clip_ratio_low": within(0, 1, "[)", "the ratio's clip at 1 - clip_ratio_low"),
+    "actor.clip_ratio_high": at_least(0),
+    "actor.clip_ratio_c": above(1.0, "the dual clip of negative advantages"),
+    "actor.entropy_coeff": at_least(0, "0: no entropy bonus"),
+    "actor.kl_loss_coef": at_least(0),
+    "actor.log_prob_micro_batch_size_per_gpu": at_least(1),
+    "critic.cliprange_value": at_least(0),
+    "critic.forward_micro_batch_size_per_gpu": at_least(1),
+    "reference.dp_size": at_least(1),
+    "reference.log_prob_micro_batch_size_per_gpu": at_least(1),
+    "reference.sp_size": at_least(1, "1: no sequence parallelism"),
+    # rollout
+    "rollout.dp_size": at_least(1),
+    "rollout.n": at_least(1),
+    "rollout.temperature": above(0),
+    "rollout.top_p": within(0, 1, "(]"),
+    "rollout.val_temperature": above(0),
+    "rollout.val_top_p": within(0, 1, "(]"),
+    "rollout.val_n": at_least(1),
+    "rollout.micro_batch_size": at_least(1, "prompts per generate call"),
+    "rollout.tensor_parallel_size": at_least(1),
+    "rollout.gpu_memory_utilization": within(0, 1, "(]"),
+    "rollout.weight_sync_bucket_mb": at_least(1, "MiB per broadcast"),
+    "rollout.partial.chunk_tokens": at_least(1),
+    "rollout.partial.max_rows": at_least(0, "0: a rank's share of one step's"),
+    "rollout.agent.max_turns": at_least(1),
+    "rollout.agent.num_workers": at_least(0, "0: in the driver"),
+    "rollout.agent.timeout_s": seconds(),
+    # rewards
+    "reward.num_workers": at_least(0, "0: score in the driver process"),
+    "reward.timeout_s": seconds(),
+    "reward.rule_weight": at_least(0),
+    "reward.overlong_buffer.len": at_least(1),  # and <= data.max_response_length: _check_dynamic_sampling
+    "reward.overlong_buffer.penalty_factor": at_least(0),
+    "reward_model.weight": at_least(0),
+    "reward_model.dp_size": at_least(1),
+    "reward_model.micro_batch_size": at_least(1),
+    "reward_model.max_length": at_least(2),
+    # algorithm
+    "algorithm.gamma": within(0, 1),
+    "algorithm.lam": within(0, 1),
+    "algorithm.kl_ctrl.kl_coef": at_least(0),
+    "algorithm.kl_ctrl.target_kl": above(0),
+    "algorithm.kl_ctrl.horizon": at_least(1),
+    "algorithm.rollout_correction.cap": at_least(1, "a weight above the cap is lowered to it"),
+    "algorithm.rollout_correction.low": within(0, 1),  # and < high: rlflow.algos.rollout_correction
+    "algorithm.rollout_correction.high": at_least(1),
+    "algorithm.filter_groups.max_num_gen_batches": at_least(1),
+    # trainer, ray
+    "trainer.total_steps": at_least(0),
+    "trainer.max_to_keep": at_least(1),
+    "trainer.max_staleness": at_least(0, "0: synchronous"),
+    "trainer.remote_timeout_s": above(0),
+    "trainer.startup_timeout_s": above(0),
+    "trainer.keep_workers_s": at_least(0, "0: stop the workers with the run"),
+    "trainer.cpus_per_worker": above(0),
+    "trainer.grad_probes.num_projections": at_least(0),
+    "trainer.max_failures": at_least(0, "0: a lost worker stops the run"),
+    "trainer.snapshot_freq": at_least(0, "0: checkpoints only"),
+    "ray.num_cpus": at_least(0, "0: sized from the workers", null=True),
+})
+
+# The numeric keys every value of which is meaningful (not forgotten: tests/test_config.py checks
+# that each int/float key of the schema is in NUMERIC_RANGES or here)
+NO_RANGE: dict[str, str] = {
+    "data.seed": "any integer seeds",
+    "trainer.seed": "any integer seeds",
+    "trainer.grad_probes.seed": "any integer seeds",
+    "rollout.top_k": "<= 0: off (every token)",
+    "trainer.test_freq": "<= 0: no validation during training",
+    "trainer.save_freq": "<= 0: no checkpoints",
+}
+
+
+def _lookup(cfg: Any, key: str) -> Any:
+    value = cfg
+    for name in key.split("."):
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
+    return value
+
+
+def check_ranges(cfg: Any) -> None:
+    """Every key of NUMERIC_RANGES in its range; the first that is not raises a ConfigError of one
+    line naming it (a list's element as `key[i]`)."""
+    for key, allowed in NUMERIC_RANGES.items():
+        value = _lookup(cfg, key)
+        if isinstance(value, (list, tuple, ListConfig)):
+            items = [(f"{key}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            items = [(key, value)]
+        for name, item in items:
+            _need(allowed.contains(item), allowed.error(name, item))
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation: each section's checks, in the order validate_config runs them
 # ---------------------------------------------------------------------------------------------
 
@@ -615,7 +823,7 @@ def trained_sections(cfg) -> list[str]:
 
 def validate_config(cfg: DictConfig) -> None:
     """Every check before Ray starts; the first that fails raises a ConfigError naming its key."""
-    _check_data(cfg)
+    check_ranges(cfg)  # first: the checks below divide by sizes
     for role in trained_sections(cfg):
         _check_trained_role(role, cfg)
     _check_algorithm(cfg)
@@ -636,60 +844,39 @@ def _sequences_per_step(cfg: DictConfig) -> int:
     return cfg.data.train_batch_size * cfg.rollout.n
 
 
-def _check_data(cfg: DictConfig) -> None:
-    """The step's batch (prompts x rollout.n responses: what every role's sizes divide) and lengths."""
-    data = cfg.data
-    _need(data.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {data.train_batch_size}")
-    _need(cfg.rollout.n >= 1, f"rollout.n must be >= 1, got {cfg.rollout.n}")
-    _need(data.max_prompt_length >= 1, "data.max_prompt_length must be >= 1")
-    _need(data.max_response_length >= 1, "data.max_response_length must be >= 1")
-
-
 def _check_trained_role(role: str, cfg: DictConfig) -> None:
     section = cfg[role]
     _check_batch_algebra(role, section, cfg)
-    _check_sequence_layout(role, section)
     _check_update(role, section)
     _check_mixed_precision(role, section)
 
 
 def _check_batch_algebra(role: str, section: DictConfig, cfg: DictConfig) -> None:
     mini, dp, sequences_per_step = section.ppo_mini_batch_size, section.dp_size, _sequences_per_step(cfg)
-    _need(dp >= 1, f"{role}.dp_size must be >= 1, got {dp}")
-    _need(mini >= 1, f"{role}.ppo_mini_batch_size must be >= 1, got {mini}")
     _need(sequences_per_step % mini == 0,
           f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size * rollout.n = "
           f"{cfg.data.train_batch_size} * {cfg.rollout.n} = {sequences_per_step} (sizes count responses)")
     _need(mini % dp == 0, f"{role}.ppo_mini_batch_size={mini} must be divisible by {role}.dp_size={dp}")
-    if section.use_dynamic_bsz:
-        _need(section.ppo_max_token_len_per_gpu >= 1,
-              f"{role}.ppo_max_token_len_per_gpu must be >= 1, got {section.ppo_max_token_len_per_gpu}")
-    else:
+    if not section.use_dynamic_bsz:
         micro, per_rank = section.ppo_micro_batch_size_per_gpu, mini // dp
-        _need(micro >= 1, f"{role}.ppo_micro_batch_size_per_gpu must be >= 1, got {micro}")
         # a micro-batch of at least the shard is the whole shard (plan_micro_batches)
         _need(micro >= per_rank or per_rank % micro == 0,
               f"{role}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
               f"{role}.ppo_mini_batch_size / {role}.dp_size = {mini} / {dp} = {per_rank}, or be at least it")
 
 
-def _check_sequence_layout(role: str, section: DictConfig) -> None:
-    _need(section.sp_size >= 1, f"{role}.sp_size must be >= 1 (1: no sequence parallelism), got {section.sp_size}")
-
-
 def _check_update(role: str, section: DictConfig) -> None:
     _need(section.loss_agg_mode in LOSS_AGG_MODES,
           f"{role}.loss_agg_mode={section.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
-    _need(section.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
     _need(section.strategy in STRATEGIES, f"{role}.strategy={section.strategy!r} is not one of {', '.join(STRATEGIES)}")
-    _need(section.loss_scale_factor is None or section.loss_scale_factor > 0,
-          f"{role}.loss_scale_factor must be > 0, got {section.loss_scale_factor}")
 
 
 def _check_optim(role: str, section: DictConfig) -> None:
     name, sched = section.optim.name, section.optim.lr_scheduler
     _need(name in OPTIMIZERS, f"{role}.optim.name={name!r} is not one of {', '.join(OPTIMIZERS)}")
     _need(sched in ("constant", "cosine"), f"{role}.optim.lr_scheduler={sched!r} is not one of constant, cosine")
+    betas = list(section.optim.betas)
+    _need(len(betas) == 2, f"{role}.optim.betas must hold two numbers [beta1, beta2] (AdamW's), got {betas}")
 
 
 def _check_algorithm(cfg: DictConfig) -> None:
@@ -739,25 +926,16 @@ def _check_rollout(cfg: DictConfig) -> None:
     _need(rollout.name in ENGINE_MODULES or rollout.name == "auto" or ":" in rollout.name,
           f"rollout.name={rollout.name!r} is not one of auto, {', '.join(sorted(ENGINE_MODULES))} (or "
           "<module>:<RolloutEngine subclass>, or an engine registered by a module of trainer.imports)")
-    _need(rollout.dp_size >= 1, f"rollout.dp_size must be >= 1, got {rollout.dp_size}")
-    _need(rollout.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {rollout.tensor_parallel_size}")
     _need(rollout.tensor_parallel_size == 1 or rollout.name != "hf",
           f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}: the hf engine runs one model per rollout rank; "
           "use rollout.name=vllm (or rollout.dp_size for more rollout ranks)")
     _need(rollout.weight_sync in WEIGHT_SYNC_MODES,
           f"rollout.weight_sync={rollout.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_MODES)}")
-    _need(rollout.weight_sync_bucket_mb >= 1,
-          f"rollout.weight_sync_bucket_mb must be >= 1 (MiB per broadcast), got {rollout.weight_sync_bucket_mb}")
     _need(data.train_batch_size % rollout.dp_size == 0,
           f"rollout.dp_size={rollout.dp_size} must divide data.train_batch_size={data.train_batch_size}")
-    _need(0.0 < rollout.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
-    _need(0.0 < rollout.val_top_p <= 1.0, f"rollout.val_top_p must be in (0, 1], got {rollout.val_top_p}")
-    _need(rollout.val_temperature > 0, f"rollout.val_temperature must be > 0, got {rollout.val_temperature}")
-    _need(rollout.val_n >= 1, f"rollout.val_n must be >= 1, got {rollout.val_n}")
     _need(rollout.val_n == 1 or rollout.val_do_sample,
           f"rollout.val_n={rollout.val_n} needs rollout.val_do_sample=true: greedy decoding gives {rollout.val_n} "
           "identical samples per prompt (set rollout.val_do_sample=true, or rollout.val_n=1)")
-    _need(rollout.temperature > 0, f"rollout.temperature must be > 0, got {rollout.temperature}")
     _check_partial(cfg)
 
 
@@ -765,7 +943,6 @@ def _check_partial(cfg: DictConfig) -> None:
     partial = cfg.rollout.partial
     if not partial.enable:
         return
-    _need(partial.chunk_tokens >= 1, f"rollout.partial.chunk_tokens must be >= 1, got {partial.chunk_tokens}")
     _need(partial.max_rows == 0 or partial.max_rows >= cfg.rollout.n,
           f"rollout.partial.max_rows={partial.max_rows} must hold one group of rollout.n={cfg.rollout.n} "
           "responses (or be 0: a rank's share of one step's)")
@@ -785,19 +962,13 @@ def _check_reference(cfg: DictConfig) -> None:
     if not reference.enable:
         return
     sequences_per_step = _sequences_per_step(cfg)
-    _need(reference.dp_size >= 1, f"reference.dp_size must be >= 1, got {reference.dp_size}")
     _need(sequences_per_step % reference.dp_size == 0,
           f"reference.dp_size={reference.dp_size} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
-    _check_sequence_layout("reference", reference)
 
 
 def _check_reward(cfg: DictConfig) -> None:
     reward = cfg.reward
     _need(reward.on_error in ("raise", "zero"), f"reward.on_error={reward.on_error!r} is not one of raise, zero")
-    _need(reward.num_workers >= 0,
-          f"reward.num_workers must be >= 0 (0: score in the driver process), got {reward.num_workers}")
-    _need(0 < reward.timeout_s < float("inf"), f"reward.timeout_s must be a number of seconds > 0, got {reward.timeout_s}")
-    _need(reward.rule_weight >= 0, f"reward.rule_weight must be >= 0, got {reward.rule_weight}")
 
 
 def _check_rollout_correction(cfg: DictConfig) -> None:
@@ -814,11 +985,8 @@ def _check_rollout_correction(cfg: DictConfig) -> None:
 
 def _check_lora(cfg: DictConfig) -> None:
     lora = cfg.actor.lora
-    _need(lora.rank >= 0, f"actor.lora.rank must be >= 0 (0: LoRA off), got {lora.rank}")
     if lora.rank == 0:
         return
-    _need(lora.alpha > 0, f"actor.lora.alpha must be > 0, got {lora.alpha}")
-    _need(0.0 <= lora.dropout < 1.0, f"actor.lora.dropout must be in [0, 1), got {lora.dropout}")
     _need(len(lora.target_modules) > 0 and all(isinstance(m, str) and m for m in lora.target_modules),
           f"actor.lora.target_modules must list module names (e.g. [q_proj, v_proj]), got {list(lora.target_modules)}")
     _need(importlib.util.find_spec("peft") is not None,
@@ -844,9 +1012,6 @@ def _check_reward_model(cfg: DictConfig) -> None:
         _need(cfg.reward.rule_weight > 0, "reward.rule_weight=0 leaves no reward: enable reward_model or set it > 0")
         return
     _need(bool(section.path), "reward_model.enable=true needs reward_model.path (a *ForSequenceClassification HF folder)")
-    _need(section.dp_size >= 1, f"reward_model.dp_size must be >= 1, got {section.dp_size}")
-    _need(section.micro_batch_size >= 1, f"reward_model.micro_batch_size must be >= 1, got {section.micro_batch_size}")
-    _need(section.max_length >= 2, f"reward_model.max_length must be >= 2, got {section.max_length}")
     _need(section.dtype in ("float32", "bfloat16", "float16"),
           f"reward_model.dtype={section.dtype!r} is not one of float32, bfloat16, float16")
 
@@ -855,9 +1020,6 @@ def _check_agent(cfg: DictConfig) -> None:
     agent = cfg.rollout.agent
     if not agent.env:
         return
-    _need(agent.max_turns >= 1, f"rollout.agent.max_turns must be >= 1, got {agent.max_turns}")
-    _need(agent.num_workers >= 0, f"rollout.agent.num_workers must be >= 0 (0: in the driver), got {agent.num_workers}")
-    _need(0 < agent.timeout_s < float("inf"), f"rollout.agent.timeout_s must be a number of seconds > 0, got {agent.timeout_s}")
     _need(agent.on_error in ("raise", "zero"), f"rollout.agent.on_error={agent.on_error!r} is not one of raise, zero")
     # the environments' rewards are the scores
     _need(not cfg.reward_model.enable, "rollout.agent.env: the environment rewards the episodes; reward_model.enable "
@@ -871,8 +1033,6 @@ def _check_dynamic_sampling(cfg: DictConfig) -> None:
     fg, buffer = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
     if fg.enable:
         _need(fg.metric in ("acc", "score"), f"algorithm.filter_groups.metric={fg.metric!r} is not one of acc, score")
-        _need(fg.max_num_gen_batches >= 1,
-              f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got {fg.max_num_gen_batches}")
         _need(fg.on_cap in ("raise", "fill"), f"algorithm.filter_groups.on_cap={fg.on_cap!r} is not one of raise, fill")
         _need(cfg.rollout.n >= 2, f"algorithm.filter_groups drops groups whose responses all score alike: "
                                   f"rollout.n must be >= 2, got {cfg.rollout.n}")
@@ -883,7 +1043,6 @@ def _check_dynamic_sampling(cfg: DictConfig) -> None:
         _need(1 <= buffer.len <= cfg.data.max_response_length,
               f"reward.overlong_buffer.len must be in [1, data.max_response_length={cfg.data.max_response_length}], "
               f"got {buffer.len}")
-        _need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got {buffer.penalty_factor}")
 
 
 def _check_dist_interface(value) -> None:
@@ -909,13 +1068,6 @@ def _check_trainer(cfg: DictConfig) -> None:
     for name in trainer.logger:
         _need(name in LOGGERS, f"trainer.logger: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
     _need(trainer.nan_policy in NAN_POLICIES, f"trainer.nan_policy={trainer.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
-    _need(trainer.total_steps >= 0, f"trainer.total_steps must be >= 0, got {trainer.total_steps}")
-    _need(trainer.remote_timeout_s > 0, f"trainer.remote_timeout_s must be > 0, got {trainer.remote_timeout_s}")
-    _need(trainer.startup_timeout_s > 0, f"trainer.startup_timeout_s must be > 0, got {trainer.startup_timeout_s}")
-    _need(trainer.keep_workers_s >= 0, f"trainer.keep_workers_s must be >= 0 (0: stop the workers with the run), "
-                                       f"got {trainer.keep_workers_s}")
-    _need(trainer.max_to_keep >= 1, f"trainer.max_to_keep must be >= 1, got {trainer.max_to_keep}")
-    _need(trainer.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous), got {trainer.max_staleness}")
     if trainer.resume_mode not in ("auto", "disable"):
         _need(os.path.isdir(trainer.resume_mode),
               f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")
@@ -926,8 +1078,6 @@ def _check_trainer(cfg: DictConfig) -> None:
     if trainer.offload_dir is not None:
         _need(os.path.isdir(trainer.offload_dir) and os.access(trainer.offload_dir, os.W_OK | os.X_OK),
               f"trainer.offload_dir={trainer.offload_dir!r} is not a writable directory")
-    _need(trainer.grad_probes.num_projections >= 0,
-          f"trainer.grad_probes.num_projections must be >= 0, got {trainer.grad_probes.num_projections}")
     if trainer.replay_rollouts is not None:
         _need(os.path.isdir(trainer.replay_rollouts),
               f"trainer.replay_rollouts={trainer.replay_rollouts}: not a folder of recorded rollouts (trainer.record_rollouts writes one)")

@@ -139,3 +139,128 @@ def test_policy_loss_options_reach_the_loss_term():
 def test_bad_loss_options_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(None, overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# numeric ranges: one table (rlflow.config.NUMERIC_RANGES), every numeric key in it or in NO_RANGE
+# ---------------------------------------------------------------------------------------------
+
+
+def _numeric_keys(schema=None, prefix: str = "") -> dict[str, type]:
+    """Every int/float (or list of them) key of the schema, dotted, with its number type."""
+    import dataclasses
+    import types
+    import typing
+
+    schema = schema if schema is not None else RLFlowConfig()
+    hints = typing.get_type_hints(type(schema))
+    found = {}
+    for f in dataclasses.fields(schema):
+        value = getattr(schema, f.name)
+        if dataclasses.is_dataclass(value):
+            found.update(_numeric_keys(value, f"{prefix}{f.name}."))
+            continue
+        hint = hints[f.name]
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        if typing.get_origin(hint) is list:
+            hint = typing.get_args(hint)[0]
+        if hint in (int, float):
+            found[f"{prefix}{f.name}"] = hint
+    return found
+
+
+NUMERIC_KEYS = _numeric_keys()
+
+
+def test_every_numeric_key_has_a_range_or_is_listed_as_having_none():
+    from rlflow.config import NO_RANGE, NUMERIC_RANGES
+
+    assert not set(NUMERIC_RANGES) & set(NO_RANGE)
+    forgotten = sorted(set(NUMERIC_KEYS) - set(NUMERIC_RANGES) - set(NO_RANGE))
+    assert not forgotten, f"add these keys to rlflow.config.NUMERIC_RANGES (or NO_RANGE): {forgotten}"
+    stale = sorted((set(NUMERIC_RANGES) | set(NO_RANGE)) - set(NUMERIC_KEYS))
+    assert not stale, f"not numeric keys of the schema: {stale}"
+
+
+# what a boundary value needs from other keys to pass the checks that relate keys
+COMPANIONS = {
+    "data.train_batch_size": ["actor.ppo_mini_batch_size=4"],  # must divide 1 prompt x rollout.n=4
+    "rollout.n": ["actor.ppo_mini_batch_size=32"],  # must divide 32 prompts x 1
+    "reward.rule_weight": ["reward_model.enable=true", "reward_model.path=rm"],  # 0 needs a reward model
+}
+
+
+def _cases():
+    """(key, value, inside) just outside and at (or, for an open end, just inside) each end of
+    each key's range."""
+    from rlflow.config import NUMERIC_RANGES
+
+    cases = []
+    for key, allowed in NUMERIC_RANGES.items():
+        step = 1 if NUMERIC_KEYS[key] is int else 1e-6
+        ends = []
+        if allowed.low is not None:
+            low = allowed.low
+            ends += [(low, not allowed.low_open), (low - step, False)] if not allowed.low_open else \
+                [(low, False), (low + step, True)]
+        if allowed.high is not None:
+            high = allowed.high
+            if high == float("inf"):
+                ends += [(high, not allowed.high_open), (1e9, True)]
+            elif allowed.high_open:
+                ends += [(high, False), (high - step, True)]
+            else:
+                ends += [(high, True), (high + step, False)]
+        if allowed.null:
+            ends.append((None, True))
+        for value, inside in ends:
+            value = value if value is None else NUMERIC_KEYS[key](value)  # as the config holds it
+            cases.append(pytest.param(key, value, inside, id=f"{key}={value}"))
+    return cases
+
+
+def _override(key: str, value) -> str:
+    text = "null" if value is None else repr(value)
+    if key.endswith(".optim.betas"):
+        return f"{key}=[{text},0.999]"  # the first element; the second is the default's
+    return f"{key}={text}"
+
+
+@pytest.mark.parametrize("key, value, inside", _cases())
+def test_a_range_rejects_the_value_just_outside_and_accepts_its_boundary(key, value, inside):
+    overrides = [*COMPANIONS.get(key, []), _override(key, value)]
+    if inside:
+        load_config(None, overrides)
+        return
+    named = f"{key}[0]" if key.endswith(".optim.betas") else key
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert message.startswith(f"{named} must be "), message
+    assert "\n" not in message and message.endswith(f", got {value}"), message
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["actor.optim.lr=-1e-4"], "actor.optim.lr must be > 0, got -0.0001"),
+    (["critic.optim.eps=-1"], "critic.optim.eps must be >= 0, got -1.0"),
+    (["critic.optim.betas=[0.9,1.0]"], "critic.optim.betas[1] must be in [0, 1), got 1.0"),
+    (["reward.timeout_s=inf"], "reward.timeout_s must be > 0 and finite (seconds), got inf"),
+    (["actor.lora.rank=-1"], "actor.lora.rank must be >= 0 (0: LoRA off), got -1"),
+    (["ray.num_cpus=-2"], "ray.num_cpus must be >= 0 or null (0: sized from the workers), got -2"),
+    (["rollout.top_p=nan"], "rollout.top_p must be in (0, 1], got nan"),
+    (["actor.optim.betas=[0.9]"], "actor.optim.betas must hold two numbers [beta1, beta2] (AdamW's), got [0.9]"),
+])
+def test_range_errors_are_one_line_naming_the_key(overrides, line):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == line
+
+
+def test_a_range_is_checked_whether_its_section_is_used_or_not():
+    # the critic is off under grpo and the agent section without an environment: still checked
+    with pytest.raises(ConfigError, match=r"^critic\.optim\.lr must be > 0"):
+        load_config(None, ["algorithm.adv_estimator=grpo", "critic.optim.lr=0"])
+    with pytest.raises(ConfigError, match=r"^rollout\.agent\.timeout_s must be"):
+        load_config(None, ["rollout.agent.timeout_s=0"])
+    assert load_config(None, ["actor.grad_clip=inf"]).actor.grad_clip == float("inf")  # no clipping
