@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlflow.algos import ADV_ESTIMATORS, KL_PENALTY_MODES, LOSS_AGG_MODES, NEEDS_CRITIC, NEEDS_GROUPS, POLICY_LOSSES  # torch-only
 from rlflow.algos import LossOptionError, actor_loss_terms, critic_loss_terms, estimator_inputs, option_names
 from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
+from rlflow.checkpoint_paths import CheckpointError, resolve_checkpoint
 from rlflow.plugins import ENGINE_MODULES, absolute_specs, import_modules
 
 WEIGHT_SYNC_MODES = ("auto", "shared_memory", "object_store", "collective")
@@ -1071,6 +1072,10 @@ def _check_trainer(cfg: DictConfig) -> None:
     if trainer.resume_mode not in ("auto", "disable"):
         _need(os.path.isdir(trainer.resume_mode),
               f"trainer.resume_mode={trainer.resume_mode!r} is neither auto, disable nor an existing checkpoint folder")
+        try:  # a step folder, or a run / checkpoints folder holding one (what the resume will read)
+            resolve_checkpoint(trainer.resume_mode)
+        except CheckpointError as err:
+            raise ConfigError(f"trainer.resume_mode={trainer.resume_mode!r}: {err}") from err
     _check_dist_interface(trainer.dist_interface)
     _need(not (trainer.memory_metrics and trainer.max_staleness > 0),
           "trainer.memory_metrics reports the memory of each phase of a step, which overlap with trainer.max_staleness="

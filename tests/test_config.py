@@ -264,3 +264,22 @@ def test_a_range_is_checked_whether_its_section_is_used_or_not():
     with pytest.raises(ConfigError, match=r"^rollout\.agent\.timeout_s must be"):
         load_config(None, ["rollout.agent.timeout_s=0"])
     assert load_config(None, ["actor.grad_clip=inf"]).actor.grad_clip == float("inf")  # no clipping
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer.resume_mode=<folder>: a checkpoint must be there before Ray starts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resume_mode_folder_without_a_checkpoint_is_one_line_naming_the_key(tmp_path):
+    empty = tmp_path / "run"
+    empty.mkdir()
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"trainer.resume_mode={empty}"])
+    message = str(info.value)
+    assert message.startswith(f"trainer.resume_mode='{empty}': ") and "holds no checkpoints" in message
+    assert "\n" not in message
+    step = empty / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    for folder in (empty, empty / "checkpoints", step):  # a run, its checkpoints, one checkpoint
+        assert load_config(None, [f"trainer.resume_mode={folder}"]).trainer.resume_mode == str(folder)
