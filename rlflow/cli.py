@@ -1,10 +1,17 @@
 """`rlflow train [CONFIG.yaml] [key=value ...]`, `rlflow config [CONFIG.yaml] [key=value ...]`,
 `rlflow plot RUN_DIR`, `rlflow export CKPT OUT`, `rlflow convert smollm2`.
 
-A user error (something the user fixes in the command, the config or a file) is reported as one
-line on stderr, `rlflow: error: <message>`, with exit status 2 and no traceback; `--traceback`
-(anywhere on the command line) or RLFLOW_TRACEBACK=1 prints the traceback before that line (still
-exit status 2). Any other exception is not caught: Python prints its traceback, exit status 1.
+Every error ends the output with one line on stderr (a multi-line message joined into one):
+- a user error (something the user fixes in the command, the config or a file):
+  `rlflow: error: <message>`, exit status 2, no traceback;
+- any other exception (a worker that failed or hung after Ray started, or a bug):
+  `rlflow: error: <Type>: <message> (traceback: /tmp/rlflow-error-XXXX.txt; --traceback prints it)`,
+  exit status 1; the full traceback (the exception's chain included) is written to that file
+  (`tempfile.mkstemp`, prefix `rlflow-error-`), or to stderr when the file cannot be written. The
+  message is cut at SUMMARY_CHARS characters; the file holds all of it.
+`--traceback` (anywhere on the command line) or RLFLOW_TRACEBACK=1 prints the traceback before the
+line instead, for both kinds (no file; the exit statuses stay). Only Exception is caught: a
+KeyboardInterrupt or SystemExit behaves as Python's default.
 
 What counts as a user error (decided here, by type and by when it is raised):
 - always: rlflow.config.ConfigError (unknown key, with the closest valid one suggested; a missing,
@@ -17,8 +24,8 @@ What counts as a user error (decided here, by type and by when it is raised):
   `convert` never start one): ValueError (rlflow's validation of data files, model folders and
   tokenizers raises it), FileNotFoundError, IsADirectoryError, NotADirectoryError,
   FileExistsError, omegaconf's errors and rlflow.checkpoint_paths.CheckpointError.
-Once Ray has started, only the first group is one line: a ValueError or a missing file there may
-be a bug of rlflow and keeps its traceback. argparse's usage errors keep argparse's format (usage,
+Once Ray has started, only the first group is a user error: a ValueError or a missing file there
+may be a bug of rlflow, reported as any other exception. argparse's usage errors keep argparse's format (usage,
 then `rlflow: error: ...`, exit status 2).
 """
 
@@ -27,10 +34,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import traceback
 
 TRACEBACK_FLAG = "--traceback"
 TRACEBACK_ENV = "RLFLOW_TRACEBACK"
+TRACEBACK_FILE_PREFIX = "rlflow-error-"
+SUMMARY_CHARS = 1000  # of a non-user error's message in its line (the traceback file holds all)
 
 # raised before Ray starts, these are the user's to fix (see the module docstring)
 _PRE_START_TYPES: tuple[type[BaseException], ...] = (
@@ -126,13 +136,40 @@ def is_user_error(err: BaseException, ray_started: bool | None = None) -> bool:
     return isinstance(err, pre_start)
 
 
-def error_line(err: BaseException) -> str:
-    """`rlflow: error: <message>` on one line (a multi-line message joined by spaces)."""
+def _one_line(err: BaseException) -> str:
     message = str(err)
     if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
         message = err.args[0]  # str(KeyError) quotes its message
-    message = " ".join(line.strip() for line in message.splitlines() if line.strip())
-    return f"rlflow: error: {message or type(err).__name__}"
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def error_line(err: BaseException) -> str:
+    """`rlflow: error: <message>` on one line (a multi-line message joined by spaces)."""
+    return f"rlflow: error: {_one_line(err) or type(err).__name__}"
+
+
+def internal_error_line(err: BaseException, traceback_file: str | None = None) -> str:
+    """A non-user error's line: `rlflow: error: <Type>: <message>`, the message cut at SUMMARY_CHARS,
+    then where its traceback is (`traceback_file`; None: it was printed above)."""
+    message = _one_line(err)
+    if len(message) > SUMMARY_CHARS:
+        message = message[: SUMMARY_CHARS - 3].rstrip() + "..."
+    line = f"rlflow: error: {type(err).__name__}: {message}" if message else f"rlflow: error: {type(err).__name__}"
+    if traceback_file is not None:
+        line += f" (traceback: {traceback_file}; {TRACEBACK_FLAG} prints it)"
+    return line
+
+
+def save_traceback(err: BaseException) -> str | None:
+    """The full traceback into a new file under the system's temporary directory; its path, or
+    None when it cannot be written."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=TRACEBACK_FILE_PREFIX, suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("".join(traceback.format_exception(err)))
+    except OSError:
+        return None
+    return path
 
 
 def _traceback_wanted(argv: list[str]) -> bool:
@@ -146,10 +183,12 @@ def _traceback_wanted(argv: list[str]) -> bool:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n\n")[0],
-                                     epilog="A user error prints one line `rlflow: error: ...` and exits with "
-                                            f"status 2; {TRACEBACK_FLAG} or {TRACEBACK_ENV}=1 adds its traceback.")
+                                     epilog="An error ends with one line `rlflow: error: ...`: a user error exits "
+                                            "with status 2, any other with status 1 and its traceback in a "
+                                            f"file the line names; {TRACEBACK_FLAG} or {TRACEBACK_ENV}=1 "
+                                            "prints the traceback instead.")
     parser.add_argument(TRACEBACK_FLAG, action="store_true",
-                        help=f"print the traceback of a user error too (or {TRACEBACK_ENV}=1); "
+                        help=f"print the traceback of an error before its line (or {TRACEBACK_ENV}=1); "
                              "accepted anywhere on the command line")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("train", help="train; default: the embedded tiny task on a local Ray", add_help=False)
@@ -199,14 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = [arg for arg in argv if arg != TRACEBACK_FLAG]
     try:
         return _run(argv)
-    except Exception as err:  # noqa: BLE001 - anything but a user error is re-raised as it is
-        if not is_user_error(err):
-            raise
-        if show_traceback:
+    except Exception as err:  # noqa: BLE001 - every error ends in one line (KeyboardInterrupt is not an Exception)
+        user = is_user_error(err)
+        saved = None if show_traceback or user else save_traceback(err)
+        if show_traceback or (not user and saved is None):
             traceback.print_exception(err, file=sys.stderr)
+        sys.stdout.flush()
         sys.stderr.flush()
-        print(error_line(err), file=sys.stderr, flush=True)
-        return 2
+        print(error_line(err) if user else internal_error_line(err, saved), file=sys.stderr, flush=True)
+        return 2 if user else 1
 
 
 if __name__ == "__main__":

@@ -1,30 +1,36 @@
-"""The CLI reports a user error as one line `rlflow: error: ...` with exit status 2 and no
-traceback; `--traceback` / RLFLOW_TRACEBACK=1 shows it; anything else keeps its traceback (exit 1).
+"""The CLI ends every error with one line on stderr: a user error `rlflow: error: ...` with exit
+status 2 and no traceback; any other `rlflow: error: <Type>: ...` with exit status 1 and its
+traceback in a file the line names; `--traceback` / RLFLOW_TRACEBACK=1 prints the traceback instead.
 
-Each case runs the real entry point (`python -m rlflow.cli`, what the `rlflow` script calls) in a
-subprocess, and every error must come before Ray starts (quickly, no Ray session)."""
+The user-error cases run the real entry point (`python -m rlflow.cli`, what the `rlflow` script
+calls) in a subprocess, and every such error must come before Ray starts (quickly, no Ray
+session). The other errors are raised into `main()` in-process, except one real worker error
+after Ray started."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-from rlflow.cli import error_line, is_user_error
+from rlflow.cli import SUMMARY_CHARS, error_line, is_user_error, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_S = 60  # a user error is reported before any worker or Ray starts
 
 
-def _rlflow(*args: str, env: dict | None = None, code: str | None = None) -> subprocess.CompletedProcess:
+def _rlflow(*args: str, env: dict | None = None, code: str | None = None,
+            limit_s: float = LIMIT_S) -> subprocess.CompletedProcess:
     run_env = {k: v for k, v in os.environ.items() if k not in ("RLFLOW_TRACEBACK", "RAY_ADDRESS")}
     run_env.update(env or {})
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "rlflow.cli", *args]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=LIMIT_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=limit_s)
     proc.elapsed = time.monotonic() - start
     return proc
 
@@ -167,19 +173,123 @@ def test_train_missing_model_folder(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# not user errors: the traceback stays
+# not user errors: exit status 1, a one-line summary naming the type, the traceback in a file
 # ---------------------------------------------------------------------------------------------
 
 
-def test_internal_error_keeps_its_traceback_and_exit_status_1():
-    code = ("import sys, rlflow.config as c\n"
-            "def broken(*a, **k):\n    raise KeyError('internal')\n"
-            "c.load_config = broken\n"
-            "from rlflow.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    proc = _rlflow("config", code=code)
-    assert proc.returncode == 1
-    assert "Traceback (most recent call last)" in proc.stderr and "KeyError: 'internal'" in proc.stderr
-    assert "rlflow: error:" not in proc.stderr
+def _traceback_file(line: str) -> str:
+    match = re.search(r" \(traceback: (\S+); --traceback prints it\)$", line)
+    assert match, line
+    return match.group(1)
+
+
+@pytest.fixture
+def failing_train(monkeypatch):
+    """`rlflow train` whose run raises what the test sets (as a worker error surfaces from fit)."""
+    import rlflow.cli
+
+    raised = {}
+
+    def train(args):
+        raise raised["error"]
+
+    monkeypatch.delenv("RLFLOW_TRACEBACK", raising=False)
+    monkeypatch.setattr(rlflow.cli, "cmd_train", train)
+    return raised
+
+
+def test_internal_error_is_one_line_naming_its_type_with_the_traceback_in_a_file(failing_train, capsys):
+    from controllers.worker_group import WorkerError
+
+    message = ("step 3 (of 40): rollout rank 0: generate did not return within trainer.remote_timeout_s=5 s\n"
+               "(then: actor rank 1: update raised RuntimeError: gloo)")
+    try:
+        raise KeyError("internal")  # chained: the file shows the cause too
+    except KeyError as cause:
+        try:
+            raise WorkerError(message) from cause
+        except WorkerError as err:
+            failing_train["error"] = err
+    assert main(["train", "trainer.total_steps=40"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("rlflow: error: WorkerError: step 3 (of 40): rollout rank 0: generate did not return "
+                               "within trainer.remote_timeout_s=5 s (then: actor rank 1: update raised RuntimeError: gloo)")
+    path = _traceback_file(lines[0])
+    try:
+        assert os.path.basename(path).startswith("rlflow-error-") and os.path.dirname(path) == tempfile.gettempdir()
+        with open(path, encoding="utf-8") as f:
+            saved = f.read()
+        assert "Traceback (most recent call last)" in saved and "KeyError: 'internal'" in saved
+        assert "controllers.worker_group.WorkerError: step 3 (of 40)" in saved and "raise WorkerError" in saved
+    finally:
+        os.remove(path)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_internal_error_traceback_flag_prints_it_before_the_line(failing_train, capsys, monkeypatch, how):
+    failing_train["error"] = KeyError("internal")
+    monkeypatch.setattr(tempfile, "mkstemp", lambda **kw: pytest.fail("no file with --traceback"))
+    if how == "env":
+        monkeypatch.setenv("RLFLOW_TRACEBACK", "1")
+    assert main(["train", *(["--traceback"] if how == "flag" else [])]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "KeyError: 'internal'" in err
+    assert err.splitlines()[-1] == "rlflow: error: KeyError: internal"
+
+
+def test_internal_error_line_is_cut_and_a_failed_file_prints_the_traceback(failing_train, capsys, monkeypatch):
+    failing_train["error"] = RuntimeError("x" * 5000)
+
+    def no_space(**kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_space)
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err  # nowhere else to keep it
+    last = err.splitlines()[-1]
+    assert last.startswith("rlflow: error: RuntimeError: xxx") and last.endswith("x...")
+    assert len(last) == len("rlflow: error: RuntimeError: ") + SUMMARY_CHARS
+
+
+def test_a_value_error_after_ray_started_is_not_a_user_error(failing_train, capsys, monkeypatch):
+    import rlflow.cli
+
+    failing_train["error"] = ValueError("shapes do not match")
+    monkeypatch.setattr(rlflow.cli, "_ray_started", lambda: True)
+    assert main(["train"]) == 1
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("rlflow: error: ValueError: shapes do not match (traceback: ")
+    os.remove(_traceback_file(line))
+
+
+def test_keyboard_interrupt_is_not_caught(failing_train, capsys):
+    failing_train["error"] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        main(["train"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_worker_error_after_ray_started_ends_in_one_line(tiny_model_dir):
+    """The real thing: Ray starts, the workers load the model, the first generate call cannot
+    return within trainer.remote_timeout_s; the driver raises WorkerError."""
+    proc = _rlflow("train", f"actor.model.path={tiny_model_dir}", "data.train_batch_size=8", "data.synthetic_train_size=64",
+                   "data.synthetic_val_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8", "trainer.total_steps=1",
+                   "trainer.val_before_train=false", "trainer.logger=[console]", "reward.num_workers=0",
+                   "algorithm.adv_estimator=grpo", "trainer.remote_timeout_s=0.001",
+                   f"trainer.default_local_dir={os.path.join(tiny_model_dir, os.pardir, 'cli_worker_error_run')}",
+                   limit_s=240)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("rlflow: error: WorkerError: ") and "trainer.remote_timeout_s=0.001" in last, last
+    path = _traceback_file(last)
+    try:
+        with open(path, encoding="utf-8") as f:
+            assert "Traceback (most recent call last)" in f.read()
+    finally:
+        os.remove(path)
 
 
 def test_rule_by_type_and_by_whether_ray_started():
