@@ -31,6 +31,7 @@ does not verify.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -67,54 +69,107 @@ _MAX_HF_FILE = 200 * 2**20
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Snapshot:
+    """A restore point: what a checkpoint holds, in the driver's memory.
+
+    roles: {role: {"model", "optimizer", "scheduler", "adapter_config", "per_rank_rng"}} (full
+    state from rank 0, every rank's RNG); None: the trained roles as their workers start (a run's
+    first step, which a restart reproduces). trainer_state: step, driver RNGs, driver state.
+    """
+
+    step: int
+    roles: dict[str, dict] | None
+    trainer_state: dict
+    source: str = "memory"  # or the checkpoint folder it was read from
+
+
+def collect(trainer, step: int, workers: bool = True) -> Snapshot:
+    """The state of the run after `step` steps (a collective on the FSDP2 ranks). workers=False:
+    the driver's part only (valid before the first step, see Snapshot)."""
+    roles = None
+    if workers:
+        roles = {}
+        for role, group in trainer.trained_groups().items():
+            states = group.call_all("state_for_checkpoint")
+            full = states[0]
+            missing = [k for k in ("model", "optimizer", "scheduler") if k not in full]
+            if missing:
+                raise CheckpointError(f"{role} rank 0 returned no {missing} from state_for_checkpoint")
+            roles[role] = {"model": full["model"], "optimizer": full["optimizer"], "scheduler": full["scheduler"],
+                           "adapter_config": full.get("adapter_config"),
+                           "per_rank_rng": [s.get("rng") for s in states]}
+    trainer_state = {
+        "format": FORMAT_VERSION,
+        "step": int(step),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        # a copy: the in-flight rollouts' tensors must not change with the batches trained later
+        "driver": copy.deepcopy(trainer.driver_state()),
+    }
+    return Snapshot(int(step), roles, trainer_state)
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a permission); the message names the step, the
+    folder and the checkpoint that is still the latest. Nothing of the failed save is left behind."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 def save(trainer, step: int) -> str:
     """Write the checkpoint of `step` (steps done) atomically; returns its folder.
 
     `trainer` provides cfg, run_dir, model_path, trained_groups() ({role: group} of the roles that
     train) and driver_state() (weights_only-loadable data: data position, KL controller, history).
     """
-    cfg = trainer.cfg
-    root = checkpoint_root(trainer.run_dir)
-    os.makedirs(root, exist_ok=True)
-    # 1. collect everything first (a collective on the FSDP2 ranks), so a failing worker leaves
-    #    no folder at all
-    role_states = {role: group.call_all("state_for_checkpoint") for role, group in trainer.trained_groups().items()}
-    trainer_state = {
-        "format": FORMAT_VERSION,
-        "step": int(step),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "driver": trainer.driver_state(),
-    }
-    # 2. write into a temporary folder beside the final one
+    # everything is collected first, so a failing worker leaves no folder at all
+    return write(collect(trainer, step), trainer.run_dir, trainer.cfg, trainer.model_path)
+
+
+def write(snapshot: Snapshot, run_dir: str, cfg, model_path: str | None) -> str:
+    """Write a collected snapshot as the checkpoint of its step; returns its folder. Touches no
+    worker, so it may run beside the next steps (trainer.async_save). Raises SaveError."""
+    step = snapshot.step
+    root = checkpoint_root(run_dir)
     final = os.path.join(root, f"step_{step}")
-    tmp = tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root)
+    tmp = None
     try:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root)
         writer = _Writer(tmp)
-        for role, states in role_states.items():
-            full = states[0]
-            missing = [k for k in ("model", "optimizer", "scheduler") if k not in full]
-            if missing:
-                raise CheckpointError(f"{role} rank 0 returned no {missing} from state_for_checkpoint")
-            _write_weights(writer, role, full)
-            writer.torch_save(f"{role}/optimizer.pt", {"optimizer": full["optimizer"], "scheduler": full["scheduler"]})
-            writer.torch_save(f"{role}/rng.pt", {"per_rank": [s.get("rng") for s in states]})
-        writer.torch_save(TRAINER_STATE, trainer_state)
+        for role, saved in (snapshot.roles or {}).items():
+            _write_weights(writer, role, saved)
+            writer.torch_save(f"{role}/optimizer.pt", {"optimizer": saved["optimizer"], "scheduler": saved["scheduler"]})
+            writer.torch_save(f"{role}/rng.pt", {"per_rank": saved["per_rank_rng"]})
+        writer.torch_save(TRAINER_STATE, snapshot.trainer_state)
         writer.json("run_config.json", config_to_dict(cfg))
-        model_path = trainer.model_path
         if model_path and os.path.isdir(model_path):
             for name in _hf_side_files(model_path):
                 writer.copy(os.path.join(model_path, name), f"hf/{name}")
-        writer.manifest(step, roles=list(role_states))
+        writer.manifest(step, roles=list(snapshot.roles or {}))
         writer.sync_dirs()
-        # 3. commit: the rename is the point where the checkpoint exists
+        # the rename is the point where the checkpoint exists
         _rename_into_place(tmp, final)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except CheckpointError:
+        _remove_tmp(tmp)
         raise
+    except Exception as err:  # noqa: BLE001 - an OSError, safetensors' own error, ...: one message for all
+        _remove_tmp(tmp)
+        latest = find_latest(root) if os.path.isdir(root) else None
+        safe = f"{latest} is still the latest checkpoint, intact" if latest else "no earlier checkpoint exists"
+        raise SaveError(f"saving the checkpoint of step {step} to {final} failed ({type(err).__name__}: "
+                        f"{' '.join(str(err).split())}); nothing of it was kept, and {safe}", step) from err
     _write_latest(root, os.path.basename(final))
     _prune(root, keep=cfg.trainer.max_to_keep, current=os.path.basename(final))
     return final
+
+
+def _remove_tmp(tmp: str | None) -> None:
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_weights(writer: "_Writer", role: str, full: dict) -> None:
@@ -380,8 +435,10 @@ def _load_model_file(ckpt_dir: str, rel: str) -> dict[str, torch.Tensor]:
 
 
 def resume(trainer) -> int:
-    """Restore the run per trainer.resume_mode; returns the first step to run (0: from scratch)."""
+    """Restore the run per trainer.resume_mode; returns the first step to run (0: from scratch).
+    The folder resumed from is trainer.resumed_from (None: from scratch)."""
     mode = str(trainer.cfg.trainer.resume_mode)
+    trainer.resumed_from = None
     if mode == "disable":
         return 0
     if mode == "auto":
@@ -390,38 +447,64 @@ def resume(trainer) -> int:
             return 0
     else:
         ckpt = resolve_checkpoint(mode)
-    return load(trainer, ckpt)
+    step = load(trainer, ckpt)
+    trainer.resumed_from = ckpt
+    return step
 
 
 def load(trainer, ckpt_dir: str) -> int:
     """Load a verified checkpoint into a set-up trainer; returns its step."""
+    step = restore(trainer, read(ckpt_dir, trainer.cfg))
+    print(f"rlflow: resumed from {ckpt_dir} (step {step})", file=sys.stderr)
+    return step
+
+
+def read(ckpt_dir: str, cfg) -> Snapshot:
+    """A verified checkpoint, read into memory (a config that differs in what shapes the run warns)."""
     manifest = verify(ckpt_dir)
     files = manifest["files"]
     state = _torch_load(ckpt_dir, TRAINER_STATE)
-    _warn_config_changes(ckpt_dir, trainer.cfg)
-    groups = trainer.trained_groups()
-    for role in sorted(set(manifest.get("roles", [])) - set(groups)):
-        _warn(f"checkpoint {ckpt_dir} has {role} state but this run has no {role}; it is ignored")
-    for role, group in groups.items():
+    _warn_config_changes(ckpt_dir, cfg)
+    roles = {}
+    for role in manifest.get("roles", []):
         model, adapter_config = _load_weights(ckpt_dir, files, role)
         optim = _torch_load(ckpt_dir, f"{role}/optimizer.pt")
-        per_rank = _torch_load(ckpt_dir, f"{role}/rng.pt")["per_rank"]
-        if len(per_rank) != group.world_size:
-            _warn(f"checkpoint {ckpt_dir}: {role} had {len(per_rank)} ranks, this run has {group.world_size}; "
-                  "weights and optimizer load exactly, the extra ranks keep their seeded RNG")
-        payload = {"model": model, "optimizer": optim["optimizer"], "scheduler": optim["scheduler"],
-                   "adapter_config": adapter_config}
-        payload = _share(group, payload)
-        futures = group.call_per_rank_async(
-            "load_checkpoint_state", [(payload, per_rank[r] if r < len(per_rank) else None) for r in range(group.world_size)])
-        group.gather(futures, "load_checkpoint_state")
+        roles[role] = {"model": model, "optimizer": optim["optimizer"], "scheduler": optim["scheduler"],
+                       "adapter_config": adapter_config,
+                       "per_rank_rng": _torch_load(ckpt_dir, f"{role}/rng.pt")["per_rank"]}
+    return Snapshot(int(state["step"]), roles, state, source=ckpt_dir)
+
+
+def restore(trainer, snapshot: Snapshot) -> int:
+    """Put a snapshot into a set-up trainer (its workers and its driver state); returns its step.
+    A snapshot may be restored more than once: nothing of it is handed over to be changed."""
+    groups = trainer.trained_groups()
+    where = "the snapshot" if snapshot.source == "memory" else f"checkpoint {snapshot.source}"
+    if snapshot.roles is not None:
+        for role in sorted(set(snapshot.roles) - set(groups)):
+            _warn(f"{where} has {role} state but this run has no {role}; it is ignored")
+        pending = []
+        for role, group in groups.items():
+            if role not in snapshot.roles:
+                raise CheckpointError(f"{where} has no {role} state, but this run trains a {role}")
+            saved = snapshot.roles[role]
+            per_rank = saved["per_rank_rng"]
+            if len(per_rank) != group.world_size:
+                _warn(f"{where}: {role} had {len(per_rank)} ranks, this run has {group.world_size}; "
+                      "weights and optimizer load exactly, the extra ranks keep their seeded RNG")
+            payload = _share(group, {key: saved[key] for key in ("model", "optimizer", "scheduler", "adapter_config")})
+            futures = group.call_per_rank_async(
+                "load_checkpoint_state",
+                [(payload, per_rank[r] if r < len(per_rank) else None) for r in range(group.world_size)])
+            pending.append((group, futures))
+        for group, futures in pending:
+            group.gather(futures, "load_checkpoint_state")
+    state = snapshot.trainer_state
     torch.set_rng_state(state["torch_rng"])
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
-    trainer.load_driver_state(state["driver"], int(state["step"]))
-    step = int(state["step"])
-    print(f"rlflow: resumed from {ckpt_dir} (step {step})", file=sys.stderr)
-    return step
+    trainer.load_driver_state(copy.deepcopy(state["driver"]), int(state["step"]))
+    return int(state["step"])
 
 
 def _load_weights(ckpt_dir: str, files: dict, role: str) -> tuple[dict[str, torch.Tensor], dict | None]:

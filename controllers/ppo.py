@@ -16,6 +16,8 @@ import contextlib
 import functools
 import math
 import os
+import signal
+import sys
 import time
 from collections import defaultdict
 
@@ -23,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from controllers import checkpoint
+from controllers.recovery import AsyncSaver, Preemption, Recovery
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from controllers.rollout_source import check_resumable
 from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
@@ -94,6 +97,7 @@ class PPOTrainer:
         self.groups = {}
         self.pools = []
         self.env_pool = None
+        self.resumed_from = None  # the checkpoint folder this fit resumed from
         self.weight_version = 0  # training steps whose update the rollout's weights include
         self.phase = 0  # numbers the phases _share_cores sizes
 
@@ -117,9 +121,16 @@ class PPOTrainer:
         replay = make_replay(cfg)
         if replay is not None and cfg.algorithm.rollout_correction.mode != "none" and cfg.trainer.total_steps > 0:
             self._check_rollout_log_probs(replay.next(0, Timer()).batch, 0)  # before Ray starts
+        self.replay = replay
         self.active_roles = enabled_roles(self.roles, cfg)
         self.cores = core_share(cfg, self.active_roles, self.model_path)
         start_ray(cfg, self.active_roles)
+        self.start_workers()
+
+    def start_workers(self) -> None:
+        """The worker groups with their models, and what the driver wires to them (the agent loop,
+        the reward model, the weight sync, the rollout source); again after a lost worker."""
+        cfg = self.cfg
         self.layout_key = layout_key(cfg, self.active_roles)
         parked = IDLE_WORKERS.claim(self.layout_key)  # the last run's processes, if its layout was this one
         if parked is None:
@@ -132,12 +143,18 @@ class PPOTrainer:
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
         init_models(self.active_roles, self.groups, context)
-        self.env_pool = start_env_pool(cfg, self.groups)
+        if self.env_pool is None:  # its processes replace themselves; a restart keeps it
+            self.env_pool = start_env_pool(cfg, self.groups)
         self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer)
         connect_reward_model(self.score, self.groups)
         self.weight_sync = choose_weight_sync(cfg.rollout, self.groups)
-        self.rollouts = make_rollouts(cfg, replay, self.loader, self.groups, self.score, lambda: self.weight_version,
-                                      self.tokenizer, self.agent)
+        self.rollouts = make_rollouts(cfg, self.replay, self.loader, self.groups, self.score,
+                                      lambda: self.weight_version, self.tokenizer, self.agent)
+
+    def stop_worker_groups(self) -> None:
+        """Stops every worker group (a lost worker's peers too: they may be stuck in a collective)."""
+        stop_workers(self.groups.values(), self.pools)
+        self.groups, self.pools = {}, []
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -146,39 +163,104 @@ class PPOTrainer:
         cfg = self.cfg
         run_dir = os.path.join(cfg.trainer.default_local_dir, cfg.trainer.project_name, cfg.trainer.experiment_name)
         self.run_dir = run_dir
+        self.recovery = Recovery(cfg, run_dir)
+        self.saver = AsyncSaver() if cfg.trainer.async_save else None
+        self.stopped_by = None  # the signal's name, when a SIGTERM / SIGINT stopped the run
         completed = False
         try:
-            self.setup()
-            start_step = self.maybe_resume()
-            os.makedirs(run_dir, exist_ok=True)
-            self.tracker = make_trackers(list(cfg.trainer.logger), run_dir, cfg.trainer.total_steps,
-                                         cfg.trainer.project_name, cfg.trainer.experiment_name, config_to_dict(cfg),
-                                         console_keys=CONSOLE_KEYS)
-            if cfg.trainer.val_before_train and self.val_dataset is not None and start_step == 0:
-                val = self.validate()
-                self.history.append({"step": 0, **val})
-                self.tracker.log(val, step=0)
-            for step in range(start_step, cfg.trainer.total_steps):
-                try:
-                    metrics = self.train_step(step)
-                except (WorkerError, FloatingPointError) as err:
-                    raise type(err)(f"step {step + 1} (of {cfg.trainer.total_steps}): {err}") from err
-                is_last = step + 1 == cfg.trainer.total_steps
-                if self.val_dataset is not None and cfg.trainer.test_freq > 0 and ((step + 1) % cfg.trainer.test_freq == 0 or is_last):
-                    metrics.update(self.validate())
-                self.history.append({"step": step + 1, **metrics})
-                self.tracker.log(metrics, step=step + 1)
-                # after the history has this step: a checkpoint holds the history up to its step
-                if cfg.trainer.save_freq > 0 and ((step + 1) % cfg.trainer.save_freq == 0 or is_last):
+            with Preemption() as preemption:
+                self.setup()
+                preemption.arm()
+                start_step = self.maybe_resume()
+                os.makedirs(run_dir, exist_ok=True)
+                self.tracker = make_trackers(list(cfg.trainer.logger), run_dir, cfg.trainer.total_steps,
+                                             cfg.trainer.project_name, cfg.trainer.experiment_name,
+                                             config_to_dict(cfg), console_keys=CONSOLE_KEYS)
+                if cfg.trainer.val_before_train and self.val_dataset is not None and start_step == 0:
+                    val = self.validate()
+                    self.history.append({"step": 0, **val})
+                    self.tracker.log(val, step=0)
+                self.recovery.started(self, start_step)
+                step = start_step
+                while step < cfg.trainer.total_steps and not preemption.requested:
                     try:
-                        self.save_checkpoint(step + 1)
+                        self.run_step(step)
                     except WorkerError as err:
-                        raise WorkerError(f"step {step + 1} (of {cfg.trainer.total_steps}): saving: {err}") from err
-            self.tracker.close()
-            completed = True
-            return self.history
+                        step = self.recovery.recover(self, step, err)  # the step to run again; or it raises
+                        continue
+                    except FloatingPointError as err:
+                        raise FloatingPointError(f"step {step + 1} (of {cfg.trainer.total_steps}): {err}") from err
+                    step += 1
+                if preemption.requested:
+                    self.stop_for_preemption(step, preemption.signal)
+                self.wait_for_save()
+                self.tracker.close()
+                completed = not preemption.requested  # a stopped run's workers are not kept for another
+                return self.history
         finally:
             self.shutdown(keep_workers=completed)
+
+    def run_step(self, step: int) -> None:
+        """One step, its validation and logging, and the restore points due after it."""
+        cfg = self.cfg
+        metrics = self.train_step(step)
+        is_last = step + 1 == cfg.trainer.total_steps
+        if self.val_dataset is not None and cfg.trainer.test_freq > 0 and ((step + 1) % cfg.trainer.test_freq == 0 or is_last):
+            metrics.update(self.validate())
+        metrics.update(self.recovery.metrics())
+        self.history.append({"step": step + 1, **metrics})
+        self.tracker.log(metrics, step=step + 1)
+        # after the history has this step: a checkpoint holds the history up to its step
+        self.note_finished_save(wait=False)
+        save_due = cfg.trainer.save_freq > 0 and ((step + 1) % cfg.trainer.save_freq == 0 or is_last)
+        if save_due or self.recovery.snapshot_due(step + 1):
+            snapshot = checkpoint.collect(self, step + 1)
+            if self.recovery.snapshot_due(step + 1):
+                self.recovery.snapshotted(snapshot)
+            if save_due:
+                self.save_snapshot(snapshot)
+
+    def save_snapshot(self, snapshot: checkpoint.Snapshot) -> None:
+        """Write a collected snapshot as a checkpoint: now, or (trainer.async_save) in a thread once
+        the previous write is done. A write that fails is a failure of the run (Recovery.save_failed)."""
+        if self.saver is None:
+            try:
+                self.recovery.saved(checkpoint.write(snapshot, self.run_dir, self.cfg, self.model_path), snapshot.step)
+            except checkpoint.SaveError as err:
+                self.recovery.save_failed(err, snapshot.step)
+            return
+        self.note_finished_save(wait=True)
+        self.saver.submit(snapshot, self.run_dir, self.cfg, self.model_path)
+
+    def note_finished_save(self, wait: bool) -> None:
+        """How the asynchronous write in progress ended (wait: once it has)."""
+        if self.saver is None:
+            return
+        try:
+            finished = self.saver.finished(wait)
+        except checkpoint.SaveError as err:
+            self.recovery.save_failed(err, err.step)
+            return
+        if finished is not None:
+            self.recovery.saved(finished[1], finished[0])
+
+    def wait_for_save(self) -> None:
+        self.note_finished_save(wait=True)
+
+    def stop_for_preemption(self, steps_done: int, signum: int) -> None:
+        """A SIGTERM / SIGINT asked the run to stop: the steps done are checkpointed (unless the last
+        one just was), and a line says how to go on."""
+        self.wait_for_save()
+        name = signal.Signals(signum).name
+        self.stopped_by = name
+        root = checkpoint.checkpoint_root(self.run_dir)
+        latest = checkpoint.find_latest(root)
+        if steps_done > 0 and (latest is None or not latest.endswith(f"step_{steps_done}")):
+            latest = checkpoint.save(self, steps_done)
+        where = (f"checkpoint {latest}" if latest else "nothing to checkpoint")
+        print(f"rlflow: stopped by {name} after step {steps_done} of {self.cfg.trainer.total_steps} ({where}); "
+              "run the same command again to go on (trainer.resume_mode=auto continues from the latest checkpoint "
+              f"under {self.run_dir})", file=sys.stderr, flush=True)
 
     def train_step(self, step: int) -> dict:
         timer = Timer()
@@ -290,7 +372,7 @@ class PPOTrainer:
                 "response tokens; set trainer.nan_policy=skip to skip the mini-batches they reach")
 
     def _apply_kl_and_advantages(self, batch: TensorDict, metrics: dict) -> None:
-        cfg, algo = self.cfg, self.cfg.algorithm
+        algo = self.cfg.algorithm
         mask = batch["response_mask"].float()
         rewards = batch["token_level_scores"]
         if algo.use_kl_in_reward:
@@ -530,6 +612,9 @@ class PPOTrainer:
     def shutdown(self, keep_workers: bool = False) -> None:
         """Stops the run's processes; keep_workers (a run that completed): its worker groups wait
         trainer.keep_workers_s for the next run in this driver with the same layout (IdleWorkers)."""
+        if getattr(self, "saver", None) is not None:
+            with contextlib.suppress(Exception):
+                self.saver.finished(wait=True)  # a checkpoint being written is finished, whatever else failed
         with contextlib.suppress(Exception):
             self.reward_manager.close()  # the reward pool's processes
         if getattr(self, "env_pool", None) is not None:

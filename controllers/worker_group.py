@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import ray
 import torch
@@ -20,7 +21,31 @@ ROOM_WAIT_S = 0.2
 
 
 class WorkerError(RuntimeError):
-    """A remote call failed; the message names the role, rank and call."""
+    """A remote call failed; the message names the role, rank and call.
+
+    `call` (role, rank, method) and `cause` say which call failed and how: "died" (the process is
+    gone), "timeout" (it did not return in time), "raised" (it raised). `lost_worker`: a process
+    died or hung, among the first failure and the failures reported with it (a rank that dies
+    leaves its peers' collectives failing), which a restart of the groups can repair
+    (trainer.max_failures); an exception the worker raised would be raised again.
+    """
+
+    def __init__(self, message: str, call: CallLabel | None = None, cause: str | None = None,
+                 lost_worker: bool | None = None):
+        super().__init__(message)
+        self.call, self.cause = call, cause
+        self.lost_worker = cause in ("died", "timeout") if lost_worker is None else lost_worker
+
+
+class CallLabel(NamedTuple):
+    """One rank's remote call, as errors name it."""
+
+    role: str
+    rank: int
+    method: str
+
+    def __str__(self) -> str:
+        return f"{self.role} rank {self.rank}: {self.method}"
 
 
 @dataclass
@@ -70,7 +95,7 @@ def _per_node() -> str:
     return f" over {len(nodes)} nodes ({'; '.join(map(str, shown))}), and each bundle must fit on one node"
 
 
-def get_with_timeout(futures: list, what: list[str], timeout_s: float,
+def get_with_timeout(futures: list, what: list, timeout_s: float,
                      timeout_key: str = "trainer.remote_timeout_s") -> list:
     """ray.get for several futures; an error or a timeout names which call on which rank.
 
@@ -94,10 +119,10 @@ def get_with_timeout(futures: list, what: list[str], timeout_s: float,
             except Exception as err:  # noqa: BLE001 - re-raised with the rank named
                 raise _group_failure(label_of[future], err, pending, label_of, deadline) from err
     if pending:
-        late = ", ".join(label_of[f] for f in pending)
+        late = ", ".join(str(label_of[f]) for f in pending)
         raise WorkerError(
             f"{late} did not return within {timeout_key}={timeout_s:g} s "
-            f"(waited {time.monotonic() - start:.1f} s)"
+            f"(waited {time.monotonic() - start:.1f} s)", call=_as_call(label_of[pending[0]]), cause="timeout"
         )
     return [results[f] for f in futures]
 
@@ -113,18 +138,27 @@ def _group_failure(label: str, err: Exception, pending: list, label_of: dict, de
             try:
                 ray.get(future)
             except Exception as other:  # noqa: BLE001
-                others.append(str(_worker_error(label_of[future], other)).splitlines()[0][:300])
+                others.append(_worker_error(label_of[future], other))
     if others:
-        return WorkerError(f"{primary}\n(then: {'; '.join(others)})")
+        # the rank that died is named first: its peers' collectives fail because of it
+        first = next((e for e in (primary, *others) if e.cause == "died"), primary)
+        rest = [str(e).splitlines()[0][:300] for e in (primary, *others) if e is not first]
+        return WorkerError(f"{first}\n(then: {'; '.join(rest)})", call=first.call, cause=first.cause,
+                           lost_worker=any(e.lost_worker for e in (primary, *others)))
     return primary
 
 
-def _worker_error(label: str, err: Exception) -> WorkerError:
+def _as_call(label) -> CallLabel | None:
+    return label if isinstance(label, CallLabel) else None
+
+
+def _worker_error(label, err: Exception) -> WorkerError:
     if isinstance(err, ray.exceptions.RayActorError):
         detail = " ".join(str(err).split())[:400]
-        return WorkerError(f"{label}: the worker process died ({type(err).__name__}): {detail}")
+        return WorkerError(f"{label}: the worker process died ({type(err).__name__}): {detail}", call=_as_call(label),
+                           cause="died")
     cause = getattr(err, "cause", None) or err
-    return WorkerError(f"{label} raised {type(cause).__name__}: {cause}")
+    return WorkerError(f"{label} raised {type(cause).__name__}: {cause}", call=_as_call(label), cause="raised")
 
 
 class RayWorkerGroup:
@@ -194,8 +228,8 @@ class RayWorkerGroup:
                   "reinit", startup=True)
         self._form_group()
 
-    def _labels(self, method: str, ranks) -> list[str]:
-        return [f"{self.role} rank {r}: {method}" for r in ranks]
+    def _labels(self, method: str, ranks) -> list[CallLabel]:
+        return [CallLabel(self.role, r, method) for r in ranks]
 
     def _get(self, futures: list, method: str, ranks=None, startup: bool = False) -> list:
         ranks = list(range(len(futures))) if ranks is None else ranks

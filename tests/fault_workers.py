@@ -17,6 +17,9 @@ state_for_checkpoint; critic: compute_values, update, ...; reference: compute_re
                 update (the NaN stays in the autograd graph)
     nan_values  (critic) the same for the value model: NaN values, NaN value predictions
 
+armable_workers({"<role>": [<method>, ...]}) instead lets the test's driver arm a fault on a rank
+at a step of its choosing (arm_fault), which fires once, at that rank's next call of the method.
+
 Nothing of this ships: no config key or environment variable reaches it. The Ray workers cannot
 import tests/, so this module is pickled by value.
 """
@@ -78,23 +81,40 @@ class FaultInjection:
 
     FAULTS: tuple[Fault, ...] = ()
 
+    def arm_fault(self, method: str, action: str, record: str | None = None) -> None:
+        """The next call of `method` does `action` (exit / sleep=S / raise), once; `record`: a file
+        the worker writes time.time() to just before (when the fault happened, for timings)."""
+        if not ACTION.match(action) or action.startswith("nan"):
+            raise ValueError(f"arm_fault: {action!r} is not exit, sleep=S or raise")
+        self.__dict__.setdefault("_armed", {})[method] = (action, record)
+
     def _fault(self, method: str) -> str | None:
         calls = self.__dict__.setdefault("_fault_calls", Counter())
         calls[method] += 1
+        armed = self.__dict__.get("_armed", {}).pop(method, None)
+        if armed is not None:
+            action, record = armed
+            if record:
+                with open(record, "w") as f:
+                    f.write(repr(time.time()))
+            self._do(Fault(self.role, str(self.rank), method, "*", action), calls[method])
         for fault in self.FAULTS:
             if fault.method != method or fault.rank not in ("*", str(self.rank)):
                 continue
             if fault.nth not in ("*", str(calls[method])):
                 continue
-            if fault.action == "exit":
-                os._exit(17)
-            if fault.action.startswith("sleep="):
-                time.sleep(float(fault.action.split("=", 1)[1]))
-                return None
-            if fault.action == "raise":
-                raise InjectedFault(f"injected fault: {self.role} rank {self.rank}, call {calls[method]} of {method}")
-            return fault.action  # nan / nan=I / nan_logits / nan_values: the wrapper poisons
+            return self._do(fault, calls[method])
         return None
+
+    def _do(self, fault: Fault, call: int) -> str | None:
+        if fault.action == "exit":
+            os._exit(17)
+        if fault.action.startswith("sleep="):
+            time.sleep(float(fault.action.split("=", 1)[1]))
+            return None
+        if fault.action == "raise":
+            raise InjectedFault(f"injected fault: {self.role} rank {self.rank}, call {call} of {fault.method}")
+        return fault.action  # nan / nan=I / nan_logits / nan_values: the wrapper poisons
 
 
 def _faulty_method(name: str, base_method):
@@ -144,6 +164,22 @@ def poison(shards: list, action: str | None) -> list:
                     shard[key] = shard[key].float().fill_(float("nan"))
         out.append(shard)
     return out
+
+
+def armable_workers(methods: dict[str, list[str]]) -> dict[str, type]:
+    """{role: a subclass of the role's worker} whose listed methods take a fault the driver arms
+    (FaultInjection.arm_fault) at a moment it chooses: at a given step, once."""
+    from controllers.roles import default_worker_classes
+
+    defaults = default_worker_classes()
+    classes = {}
+    for role, names in methods.items():
+        base = defaults[role]
+        body = {"FAULTS": (), "__module__": __name__}
+        for name in names:
+            body[name] = _faulty_method(name, getattr(base, name))
+        classes[role] = type(f"Armable{base.__name__}", (FaultInjection, base), body)
+    return classes
 
 
 def faulty_workers(spec: str) -> dict[str, type]:

@@ -302,6 +302,33 @@ def test_worker_failure_during_save_writes_nothing(trained):
     assert sorted(os.listdir(root)) == ["latest", "step_2"]
 
 
+def test_full_disk_save_names_step_and_path_and_keeps_the_previous_checkpoint(trained, monkeypatch):
+    """A save that hits a full disk (safetensors' own error, as the library raises it) is one
+    SaveError naming the step, the folder and the checkpoint still intact; nothing is left behind."""
+    from safetensors import SafetensorError
+
+    trainer, path = trained
+    root = os.path.dirname(path)
+    advance(trainer, 3)
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                              'space left on device" })')
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    with pytest.raises(ckpt.SaveError) as info:
+        ckpt.save(trainer, 3)
+    message = str(info.value)
+    print(message)
+    assert message.startswith(f"saving the checkpoint of step 3 to {os.path.join(root, 'step_3')} failed "
+                              "(SafetensorError: Error while serializing")
+    assert "No space left on device" in message and "\n" not in message
+    assert message.endswith(f"nothing of it was kept, and {path} is still the latest checkpoint, intact")
+    assert info.value.step == 3
+    assert sorted(os.listdir(root)) == ["latest", "step_2"]
+    ckpt.verify(path)
+
+
 # ---------------------------------------------------------------------------------------------
 # damaged and untrusted files
 # ---------------------------------------------------------------------------------------------
