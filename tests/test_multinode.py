@@ -82,6 +82,41 @@ def _run(model_dir: str, out_dir: str, **overrides):
     return result, trainer
 
 
+def _run_losing_a_node(model_dir: str, out_dir: str, cluster, **overrides):
+    """The replaying dp=1 fit again, on a cluster with a spare node: at the start of step 2 the
+    node that holds the actor (or, when the actor is on the head node, the critic) is removed from the cluster (its raylet and every process on it stop);
+    with trainer.max_failures the run restarts its workers on the nodes left and goes on."""
+    from trainers import CapturingTrainer
+
+    class NodeLosingTrainer(CapturingTrainer):
+        removed = None
+
+        def train_step(self, step):
+            if step == 1 and self.removed is None:
+                # the node of a trained role's rank 0; not the head (the driver's node)
+                role, node = next((role, node) for role in ("actor", "critic") for node in cluster.worker_nodes
+                                  if node.node_id == self.groups[role].node_ids[0])
+                self.removed = {"node": node.node_id, "role": role, "at": time.time()}
+                cluster.remove_node(node)
+            return super().train_step(step)
+
+        def start_workers(self):
+            super().start_workers()
+            self.placements = getattr(self, "placements", []) + [{n: list(g.node_ids) for n, g in self.groups.items()}]
+
+    from exactness_helpers import BASE
+    from text_rewards import REWARD_FILE
+    from conftest import tiny_overrides
+    from rlflow import load_config
+
+    settings = {**BASE, **FAMILY, **overrides, "reward.custom_function.path": REWARD_FILE,
+                "trainer.default_local_dir": out_dir}
+    trainer = NodeLosingTrainer(load_config(None, tiny_overrides(model_dir, **settings)),
+                                worker_classes=__import__("exactness_workers").RECORDING)
+    history = trainer.fit()
+    return history, trainer
+
+
 def _stale_mismatch(model_dir: str, record: str, step: int) -> float:
     """The control of the weight sync check: max |log p - rollout log p| over the recorded batch of
     `step` (0-based) under the initial weights, i.e. had the rollout not received the update."""
@@ -100,6 +135,7 @@ def _stale_mismatch(model_dir: str, record: str, step: int) -> float:
 
 def main(model_dir: str, out_dir: str) -> None:
     import ray
+    import torch
     from ray.cluster_utils import Cluster
 
     from controllers import checkpoint as ckpt
@@ -136,6 +172,25 @@ def main(model_dir: str, out_dir: str) -> None:
                           "probe_excess": diff.probe_excess, "param_excess": diff.param_excess,
                           "metric_excess": diff.metric_excess}
         report["steps"] = [len(dp2.steps()), len(dp1.steps())]
+        # the dp=1 run again, losing a trained role's node at step 2, with a spare node to go to
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        lost, trainer = _run_losing_a_node(model_dir, os.path.join(out_dir, "lost"), cluster, **DP1,
+                                           **{"trainer.replay_rollouts": record, "trainer.max_failures": 1,
+                                              "trainer.save_freq": 1})
+        with open(os.path.join(trainer.run_dir, "recoveries.jsonl")) as f:
+            recovery = json.loads(f.readline())
+        same_weights = all(torch.equal(trainer.final_weights[role][name], dp1.weights[role][name])
+                           for role in dp1.weights for name in dp1.weights[role])
+
+        def compared(history):
+            return [{k: v for k, v in h.items() if not k.startswith(("timing/", "trainer/recoveries"))}
+                    for h in history]
+
+        report["lost_node"] = {
+            "removed": trainer.removed, "recovery": recovery, "placements": trainer.placements,
+            "same_metrics": compared(lost) == compared(dp1.history), "same_weights": same_weights,
+            "steps": [h["step"] for h in lost if h["step"] > 0]}
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -219,6 +274,19 @@ def test_cluster_of_nodes_places_syncs_checkpoints_and_matches_dp1(tmp_path):
     diff = report["diff"]
     assert diff["num_probes"] > 0
     assert not diff["failures"], "\n".join(diff["failures"][:20])
+    # the dp=1 run again, losing a trained role's node at step 2: recovered on the spare node, and ends
+    # exactly as the run that lost nothing (trainer.max_failures, controllers/recovery.py)
+    lost = report["lost_node"]
+    recovery = lost["recovery"]
+    print(f"node lost at step 2: {recovery['error'][:160]}; going on after {recovery['seconds']:.1f} s "
+          f"(noticed {recovery['detected'] - lost['removed']['at']:.1f} s after the removal)")
+    removed = lost["removed"]
+    assert (recovery["step"], recovery["role"], recovery["cause"], recovery["restored_step"]) == \
+        (2, removed["role"], "died", 1), recovery
+    before, after = lost["placements"]
+    assert removed["node"] == before[removed["role"]][0]
+    assert lost["removed"]["node"] not in {node for nodes in after.values() for node in nodes}, after
+    assert lost["steps"] == [1, 2] and lost["same_metrics"] and lost["same_weights"], lost
 
 
 def _interfaces() -> dict[str, list[str]]:
