@@ -32,7 +32,9 @@ _MAX_LINES = 6
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a metrics.jsonl; null values become NaN. A truncated last line (a run
-    killed mid-write) is skipped with a warning; a bad line elsewhere is an error."""
+    killed mid-write) is skipped with a warning; a bad line elsewhere is an error. A step logged
+    more than once (a resumed or recovered run ran it again from its checkpoint) keeps its last
+    record, so the records are those of the run as it went on, one per step, in step order."""
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no metrics file at {path}; plot_run needs a run logged with the 'jsonl' logger "
@@ -58,6 +60,9 @@ def read_metrics(path: str) -> list[dict]:
         records.append({k: (math.nan if v is None else v) for k, v in rec.items()})
     if not records:
         raise ValueError(f"{path} has no records yet")
+    if all(isinstance(r.get("step"), int) for r in records):
+        last = {r["step"]: r for r in records}
+        records = [last[step] for step in sorted(last)]
     return records
 
 

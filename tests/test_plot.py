@@ -101,6 +101,16 @@ def test_read_metrics_truncated_last_line(tmp_path):
         read_metrics(str(bad / "metrics.jsonl"))
 
 
+def test_read_metrics_keeps_the_last_record_of_a_step_run_again(tmp_path):
+    """A recovered (or resumed) run logs the steps after its checkpoint again: the re-run counts."""
+    run = tmp_path / "again"
+    run.mkdir()
+    rows = [(1, 0.1), (2, 0.2), (3, 0.3), (3, 0.35), (4, 0.4), (2, 0.25), (3, 0.36), (4, 0.45), (5, 0.5)]
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "actor/pg_loss": {v}}}\n' for s, v in rows))
+    recs = read_metrics(str(run / "metrics.jsonl"))
+    assert [(r["step"], r["actor/pg_loss"]) for r in recs] == [(1, 0.1), (2, 0.25), (3, 0.36), (4, 0.45), (5, 0.5)]
+
+
 def test_plot_from_jsonl_tracker(tmp_path):
     from rlflow.logging import make_trackers
 
