@@ -258,9 +258,11 @@ class PPOTrainer:
         if steps_done > 0 and (latest is None or not latest.endswith(f"step_{steps_done}")):
             latest = checkpoint.save(self, steps_done)
         where = (f"checkpoint {latest}" if latest else "nothing to checkpoint")
+        how = ("run the same command again to go on" if self.cfg.trainer.resume_mode == "auto" else
+               "run the same command with trainer.resume_mode=auto to go on")
         print(f"rlflow: stopped by {name} after step {steps_done} of {self.cfg.trainer.total_steps} ({where}); "
-              "run the same command again to go on (trainer.resume_mode=auto continues from the latest checkpoint "
-              f"under {self.run_dir})", file=sys.stderr, flush=True)
+              f"{how} (trainer.resume_mode=auto continues from the latest checkpoint under {self.run_dir})",
+              file=sys.stderr, flush=True)
 
     def train_step(self, step: int) -> dict:
         timer = Timer()

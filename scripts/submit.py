@@ -63,6 +63,9 @@ def project_dependencies(pyproject: str | None = None) -> list[str]:
     return [d for d in deps if re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].strip().lower() != "ray"]
 
 
+STOP_WAIT_KEY, STOP_WAIT_S = "RAY_JOB_STOP_WAIT_TIME_S", 900
+
+
 def build_runtime_env(
     working_dir: str = REPO,
     pip: bool = False,
@@ -75,8 +78,9 @@ def build_runtime_env(
     packages = (project_dependencies(os.path.join(working_dir, "pyproject.toml")) if pip else []) + list(pip_packages or [])
     if packages:
         runtime_env["pip"] = packages
-    if env_vars:
-        runtime_env["env_vars"] = dict(env_vars)
+    # `ray job stop` sends SIGTERM, then SIGKILL after this many seconds (Ray's default: 3); rlflow
+    # finishes the step and checkpoints it on SIGTERM (docs/LONG_RUNS.md), which takes longer
+    runtime_env["env_vars"] = {STOP_WAIT_KEY: str(STOP_WAIT_S), **(env_vars or {})}
     return runtime_env
 
 

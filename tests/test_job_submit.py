@@ -56,7 +56,10 @@ def test_runtime_env_uploads_the_repo_without_venvs_and_installs_nothing_by_defa
     with_pip = submit.build_runtime_env(str(REPO), pip=True, pip_packages=["extra-pkg==1.0"], env_vars={"A": "1"})
     assert any(p.startswith("torch") for p in with_pip["pip"]) and with_pip["pip"][-1] == "extra-pkg==1.0"
     assert not any(p.split("[")[0].split(">")[0].strip() == "ray" for p in with_pip["pip"])  # the cluster's own Ray stays
-    assert with_pip["env_vars"] == {"A": "1"}
+    assert with_pip["env_vars"] == {"RAY_JOB_STOP_WAIT_TIME_S": "900", "A": "1"}  # time to checkpoint on a stop
+    assert env["env_vars"] == {"RAY_JOB_STOP_WAIT_TIME_S": "900"}
+    assert submit.build_runtime_env(str(REPO), env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "60"})["env_vars"] == {
+        "RAY_JOB_STOP_WAIT_TIME_S": "60"}
     assert submit.build_entrypoint(["configs/x.yaml", "a.b=c d"]) == "python -m rlflow.cli train configs/x.yaml 'a.b=c d'"
 
 
@@ -271,6 +274,24 @@ while client.get_job_status(probe_id) not in (JobStatus.SUCCEEDED, JobStatus.FAI
     time.sleep(0.5)
 out["probe_status"] = str(client.get_job_status(probe_id).value)
 out["probe_logs"] = client.get_job_logs(probe_id)
+
+# `ray job stop` on a training job once its first step is logged: SIGTERM, the step finishes and is
+# checkpointed, the driver exits (within submit's RAY_JOB_STOP_WAIT_TIME_S)
+long_id = client.submit_job(entrypoint=submit.build_entrypoint(json.loads(sys.argv[6])),
+                            runtime_env=submit.build_runtime_env(sys.argv[4]))
+while "step 1/" not in client.get_job_logs(long_id) and time.monotonic() < deadline:
+    if client.get_job_status(long_id) in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        break
+    time.sleep(0.3)
+stop_sent = time.monotonic()
+client.stop_job(long_id)
+while client.get_job_status(long_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+    if time.monotonic() > deadline:
+        break
+    time.sleep(0.3)
+out["stop_seconds"] = time.monotonic() - stop_sent
+out["stopped_status"] = str(client.get_job_status(long_id).value)
+out["stopped_logs"] = client.get_job_logs(long_id)
 print(json.dumps(out))
 """
 
@@ -302,8 +323,13 @@ def test_submit_runs_rlflow_train_as_a_ray_job(tiny_model_dir, tmp_path):
             assert "step 1/1" in submitted.stdout  # the logs were streamed to the caller
 
             t1 = time.monotonic()
+            long_run = tiny_overrides(tiny_model_dir, **{
+                "trainer.total_steps": 200, "trainer.logger": "[console]",
+                "trainer.default_local_dir": str(tmp_path / "outputs"), "trainer.experiment_name": "stopped",
+            })
             probe = subprocess.run(
-                [sys.executable, "-c", _PROBE, cluster.address, job_id, str(REPO / "scripts"), str(REPO), "180"],
+                [sys.executable, "-c", _PROBE, cluster.address, job_id, str(REPO / "scripts"), str(REPO), "180",
+                 json.dumps(long_run)],
                 env=cluster.env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
             )
             assert probe.returncode == 0, probe.stderr[-4000:]
@@ -330,6 +356,15 @@ def test_submit_runs_rlflow_train_as_a_ray_job(tiny_model_dir, tmp_path):
             uploaded = set(os.listdir(copy))
             assert {"rlflow", "controllers", "workers", "scripts", "configs", "pyproject.toml"} <= uploaded
             assert not uploaded & {".git", ".venv", ".venv-vllm", ".venv-trl", "outputs"}, uploaded
+            # `ray job stop`: the run checkpointed the step it was in and said how to go on
+            stopped = result["stopped_logs"]
+            line = next((ln for ln in stopped.splitlines() if ln.startswith("rlflow: stopped by SIGTERM after step")), None)
+            assert result["stopped_status"] == "STOPPED" and line is not None, stopped[-4000:]
+            steps_done = int(line.split("after step ", 1)[1].split(" ", 1)[0])
+            root = tmp_path / "outputs" / "rlflow" / "stopped" / "checkpoints"
+            assert (root / "latest").read_text().strip() == f"step_{steps_done}", line
+            assert (root / f"step_{steps_done}" / "manifest.json").is_file()
+            print(f"\nray job stop: {line} ({result['stop_seconds']:.1f} s after the stop)")
             probe_s = time.monotonic() - t1
         finally:
             t2 = time.monotonic()
