@@ -411,7 +411,8 @@ def register_policy_loss(name: str, options: type = LossOptions, inputs: tuple[s
     """Decorator: register a policy loss under ``name`` with its options dataclass.
 
     A policy loss is a term (the contract at the top of this module) that reports pg_loss,
-    pg_clipfrac, ppo_kl and pg_clipfrac_lower (policy_metrics); `inputs` are the batch keys it
+    pg_clipfrac, ppo_kl and pg_clipfrac_lower (policy_metrics), and may add statistics of its own
+    (each a Metric declaring its aggregation, e.g. cispo's pg_is_weight_mean); `inputs` are the batch keys it
     reads. It aggregates its per-token loss with aggregate_policy, which applies the rollout
     correction's weights (every policy loss declares them as an optional input). The invariance
     test iterates this registry.
@@ -597,3 +598,89 @@ def compute_policy_loss_geo_mean(batch: Batch, meta, options: GeoMeanOptions):
     pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
     clipped = ((signed_clipped < signed_log_ratio) & (sign != 0)).to(log_prob.dtype)
     return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=clipped)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CISPOOptions(LossOptions):
+    """CISPO clips the importance-sampling WEIGHT to [1 - epsilon_low, 1 + epsilon_high] (MiniMax-M1's
+    eps^IS_low, eps^IS_high), not the update, so the actor section's clip_ratio_* do not apply.
+
+    epsilon_low = 1 puts the lower bound at 0, below every ratio: no lower clip, the paper's setting
+    ("we did not impose a lower bound"). The paper tunes epsilon_high without stating its value;
+    0.28 is DAPO's clip-higher bound, the default of Trinity-RFT's CISPO.
+    """
+
+    epsilon_low: float = 1.0
+    epsilon_high: float = 0.28
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("epsilon_low", self.epsilon_low, lambda v: 0 <= v <= 1, "in [0, 1] (1: no lower bound)")
+        _check_option("epsilon_high", self.epsilon_high, lambda v: v >= 0, ">= 0")
+
+
+@register_policy_loss("cispo", options=CISPOOptions)
+def compute_policy_loss_cispo(batch: Batch, meta, options: CISPOOptions):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4-5): -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi.
+
+    The clipped ratio is a detached weight: every token's gradient is -weight * A * grad log pi,
+    also where the clip holds the weight constant (PPO's clip would give those tokens none). The
+    loss value is a surrogate (it holds log pi): only its gradient is the objective's.
+    pg_clipfrac: tokens whose weight the clip changed (either bound); pg_is_weight_mean: the mean
+    clipped weight.
+    """
+    log_prob, advantages, mask = batch["log_probs"], batch["advantages"], batch["response_mask"]
+    log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
+    ratio = torch.exp(log_ratio).detach()
+    lower_bound, upper_bound = 1.0 - options.epsilon_low, 1.0 + options.epsilon_high
+    clipped_is_weight = torch.clamp(ratio, lower_bound, upper_bound)
+    per_token_loss = -clipped_is_weight * advantages * log_prob
+
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
+    weight_clipped = ((ratio > upper_bound) | (ratio < lower_bound)).to(log_prob.dtype)
+    metrics = policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=weight_clipped)
+    metrics["pg_is_weight_mean"] = masked_mean_metric(clipped_is_weight, mask)
+    return pg_loss, metrics
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SAPOOptions(LossOptions):
+    """SAPO's gate temperatures: tau_pos for tokens with A > 0, tau_neg for the others. 1.0 / 1.05
+    are the paper's (tau_neg > tau_pos: negative updates decay faster off-policy)."""
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("tau_pos", self.tau_pos, lambda v: v > 0, "> 0")
+        _check_option("tau_neg", self.tau_neg, lambda v: v > 0, "> 0")
+
+
+@register_policy_loss("sapo", options=SAPOOptions)
+def compute_policy_loss_sapo(batch: Batch, meta, options: SAPOOptions):
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347, Eq. 5): -A * f(r), with the soft
+    gate f(r) = sigmoid(tau * (r - 1)) * 4 / tau, tau = tau_pos where A > 0 else tau_neg.
+
+    No clip: the gradient is -A * w * r * grad log pi with w = 4 p (1 - p), p = sigmoid(tau (r - 1)),
+    which is 1 on-policy (r = 1: REINFORCE's gradient) and decays smoothly as r leaves 1. The paper
+    averages tokens per sequence, then sequences (seq-mean-token-mean; set it explicitly, the
+    default is the uniform token-mean). pg_gate_weight_mean: the mean of w.
+    """
+    log_prob, advantages, mask = batch["log_probs"], batch["advantages"], batch["response_mask"]
+    log_ratio = _log_ratio(batch["old_log_probs"], log_prob)
+    ratio = torch.exp(log_ratio)
+    temperature = torch.where(
+        advantages > 0,
+        torch.full_like(ratio, options.tau_pos),
+        torch.full_like(ratio, options.tau_neg),
+    )
+    gate_probability = torch.sigmoid(temperature * (ratio - 1.0))
+    soft_gate = gate_probability * (4.0 / temperature)
+    per_token_loss = -advantages * soft_gate
+
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
+    gradient_weight = 4.0 * gate_probability * (1.0 - gate_probability)
+    metrics = policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio)
+    metrics["pg_gate_weight_mean"] = masked_mean_metric(gradient_weight, mask)
+    return pg_loss, metrics
