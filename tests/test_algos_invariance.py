@@ -245,6 +245,13 @@ OPTION_STRATEGIES = {
     "clip_ratio_low": st.floats(0.05, 0.5),
     "clip_ratio_high": st.floats(0.05, 0.5),
     "clip_ratio_c": st.floats(1.5, 5.0),
+    # cispo's IS-weight clip: 1 (no lower bound, its default) included; the log-ratios drawn below
+    # reach beyond both bounds
+    "epsilon_low": st.floats(0.05, 1.0),
+    "epsilon_high": st.floats(0.05, 2.0),
+    # sapo's gate temperatures: gentle (0.5) to steep (5: the gate saturates within the drawn ratios)
+    "tau_pos": st.floats(0.5, 5.0),
+    "tau_neg": st.floats(0.5, 5.0),
     "cliprange_value": st.floats(0.05, 0.5),
     "entropy_coeff": st.floats(-1.0, 1.0).filter(lambda c: abs(c) > 1e-3),
     "kl_loss_coef": st.floats(0.001, 1.0),

@@ -18,20 +18,24 @@ from rlflow.algos import (
     LOSS_TERMS,
     POLICY_LOSSES,
     AdaptiveKLController,
+    CISPOOptions,
     DualClipOptions,
     FixedKLController,
     GeoMeanOptions,
     GSPOOptions,
     LossOptionError,
     LossOptions,
+    SAPOOptions,
     ValueLossOptions,
     agg_loss,
     aggregate,
     aggregated_loss_metric,
     compose_loss,
+    compute_policy_loss_cispo,
     compute_policy_loss_geo_mean,
     compute_policy_loss_gspo,
     compute_policy_loss_reinforce,
+    compute_policy_loss_sapo,
     compute_policy_loss_vanilla,
     compute_value_loss,
     entropy_from_logits,
@@ -291,10 +295,113 @@ def test_geo_mean_clips_by_the_sign_of_the_rows_advantage():
     assert metrics["pg_clipfrac"].value == 1.0
 
 
+# Four valid tokens and a padding one (a huge log-ratio and advantage that must not count).
+IS_RATIO = torch.tensor([[2.0, 1.1, 0.5, 1.0, math.exp(60.0)]], dtype=D)
+IS_OLD_LOG_PROB = torch.tensor([[-2.0, -1.0, -0.5, -3.0, 0.0]], dtype=D)
+IS_MASK = torch.tensor([[1, 1, 1, 1, 0]], dtype=D)
+
+
+def test_cispo_hand_example_value_and_gradient():
+    """CISPO: loss -sg(clip(r, 0.8, 1.28)) * A * log pi. The weights are 1.28 (r = 2 clipped), 1.1,
+    0.8 (r = 0.5 clipped), 1.0; EVERY token's gradient is -weight * A (/ 4 tokens), the clipped ones
+    too (PPO's clip would give the first token, A > 0 and r > 1 + eps, none), and nothing flows
+    through the weight into old_log_probs."""
+    advantages = torch.tensor([[1.0, -1.0, -2.0, 3.0, 9.0]], dtype=D)
+    old_log_prob = IS_OLD_LOG_PROB.clone().requires_grad_(True)
+    log_prob = (IS_OLD_LOG_PROB + IS_RATIO.log()).requires_grad_(True)
+    options = CISPOOptions(epsilon_low=0.2, epsilon_high=0.28)
+    pg_loss, metrics = compute_policy_loss_cispo(policy_batch(old_log_prob, log_prob, advantages, IS_MASK), None, options)
+
+    weights = [1.28, 1.1, 0.8, 1.0]
+    log_pi = [-2.0 + math.log(2.0), -1.0 + math.log(1.1), -0.5 + math.log(0.5), -3.0]
+    by_hand = sum(-w * a * lp for w, a, lp in zip(weights, [1.0, -1.0, -2.0, 3.0], log_pi)) / 4
+    assert float(pg_loss.detach()) == pytest.approx(by_hand)
+    grad_log_prob, grad_old = torch.autograd.grad(pg_loss, [log_prob, old_log_prob], allow_unused=True)
+    expected = torch.tensor([[-1.28 * 1.0, -1.1 * -1.0, -0.8 * -2.0, -1.0 * 3.0, 0.0]], dtype=D) / 4
+    torch.testing.assert_close(grad_log_prob, expected)
+    assert grad_old is None or not grad_old.any()  # the weight is detached
+    assert metrics["pg_clipfrac"].value == pytest.approx(2 / 4)  # r = 2 above, r = 0.5 below the band
+    assert metrics["pg_clipfrac_lower"].value == 0.0  # no dual clip
+    assert metrics["pg_is_weight_mean"].value == pytest.approx(sum(weights) / 4)
+    assert metrics["pg_is_weight_mean"].aggregation is Aggregation.MEAN and metrics["pg_is_weight_mean"].weight == 4.0
+
+
+def test_cispo_default_has_no_lower_bound():
+    """epsilon_low = 1 by default (MiniMax-M1 sets no lower bound): r = 0.5 keeps its weight 0.5,
+    r = 2 is capped at 1.28."""
+    advantages = torch.ones_like(IS_RATIO)
+    log_prob = (IS_OLD_LOG_PROB + IS_RATIO.log()).requires_grad_(True)
+    pg_loss, metrics = compute_policy_loss_cispo(policy_batch(IS_OLD_LOG_PROB, log_prob, advantages, IS_MASK), None,
+                                                 CISPOOptions())
+    pg_loss.backward()
+    torch.testing.assert_close(log_prob.grad, -torch.tensor([[1.28, 1.1, 0.5, 1.0, 0.0]], dtype=D) / 4)
+    assert metrics["pg_clipfrac"].value == pytest.approx(1 / 4)
+
+
+def sapo_by_hand(ratio: float, advantage: float, tau_pos: float, tau_neg: float) -> tuple[float, float]:
+    """(per-token loss, its derivative in log pi): -A * f(r), f(r) = sigmoid(tau (r - 1)) * 4 / tau,
+    d/dlog pi = -A * 4 p (1 - p) * r, tau = tau_pos if A > 0 else tau_neg."""
+    tau = tau_pos if advantage > 0 else tau_neg
+    p = 1.0 / (1.0 + math.exp(-tau * (ratio - 1.0)))
+    return -advantage * p * 4.0 / tau, -advantage * 4.0 * p * (1.0 - p) * ratio
+
+
+def test_sapo_hand_example_value_and_gradient():
+    """SAPO's soft gate with tau_pos 1, tau_neg 2: on-policy (r = 1) the gradient is REINFORCE's
+    -A (the gate weight 4 p (1 - p) is 1 there); off-policy it decays smoothly, faster for A <= 0."""
+    advantages = torch.tensor([[2.0, 1.0, -1.0, -0.5, 9.0]], dtype=D)
+    log_prob = (IS_OLD_LOG_PROB + IS_RATIO.log()).requires_grad_(True)
+    options = SAPOOptions(tau_pos=1.0, tau_neg=2.0)
+    pg_loss, metrics = compute_policy_loss_sapo(policy_batch(IS_OLD_LOG_PROB, log_prob, advantages, IS_MASK), None, options)
+    pg_loss.backward()
+
+    tokens = [sapo_by_hand(r, a, 1.0, 2.0) for r, a in zip([2.0, 1.1, 0.5, 1.0], [2.0, 1.0, -1.0, -0.5])]
+    assert float(pg_loss.detach()) == pytest.approx(sum(value for value, _ in tokens) / 4)
+    expected = torch.tensor([[*(grad for _, grad in tokens), 0.0]], dtype=D) / 4
+    torch.testing.assert_close(log_prob.grad, expected)
+    assert tokens[3][1] == pytest.approx(0.5)  # r = 1, A = -0.5: exactly -A
+    gate_weights = []
+    for r, tau in zip([2.0, 1.1, 0.5, 1.0], [1.0, 1.0, 2.0, 2.0]):
+        p = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
+        gate_weights.append(4.0 * p * (1.0 - p))
+    assert metrics["pg_gate_weight_mean"].value == pytest.approx(sum(gate_weights) / 4)
+    assert metrics["pg_gate_weight_mean"].aggregation is Aggregation.MEAN
+    assert metrics["pg_clipfrac"].value == 0.0 and metrics["pg_clipfrac_lower"].value == 0.0  # no clip
+
+
+def test_sapo_temperature_follows_the_sign_of_each_tokens_advantage():
+    """A > 0 takes tau_pos, A <= 0 tau_neg (per token, not per row): swapping the two temperatures
+    changes the loss of a row whose advantages have both signs."""
+    ratio = torch.tensor([[1.4, 0.7]], dtype=D)
+    advantages = torch.tensor([[1.0, -1.0]], dtype=D)
+    batch = policy_batch(torch.zeros_like(ratio), ratio.log(), advantages, torch.ones_like(ratio))
+    loss, _ = compute_policy_loss_sapo(batch, None, SAPOOptions(tau_pos=1.0, tau_neg=3.0))
+    swapped, _ = compute_policy_loss_sapo(batch, None, SAPOOptions(tau_pos=3.0, tau_neg=1.0))
+    assert float(loss) == pytest.approx((sapo_by_hand(1.4, 1.0, 1.0, 3.0)[0] + sapo_by_hand(0.7, -1.0, 1.0, 3.0)[0]) / 2)
+    assert float(loss) != pytest.approx(float(swapped))
+
+
+@pytest.mark.parametrize("options_cls, bad, option", [
+    (CISPOOptions, {"epsilon_low": 1.5}, "epsilon_low"),
+    (CISPOOptions, {"epsilon_low": -0.1}, "epsilon_low"),
+    (CISPOOptions, {"epsilon_high": -0.1}, "epsilon_high"),
+    (CISPOOptions, {"epsilon_high": "0.2"}, "epsilon_high"),
+    (SAPOOptions, {"tau_pos": 0.0}, "tau_pos"),
+    (SAPOOptions, {"tau_neg": -1.0}, "tau_neg"),
+], ids=["cispo-epsilon_low-above-1", "cispo-epsilon_low-negative", "cispo-epsilon_high-negative",
+        "cispo-epsilon_high-string", "sapo-tau_pos-zero", "sapo-tau_neg-negative"])
+def test_cispo_and_sapo_options_are_checked_when_built(options_cls, bad, option):
+    with pytest.raises(LossOptionError) as err:
+        options_cls(**bad)
+    assert err.value.option == option
+
+
 def test_policy_loss_registry():
-    assert {"vanilla", "gspo", "reinforce", "geo_mean"} <= set(POLICY_LOSSES)
+    assert {"vanilla", "gspo", "reinforce", "geo_mean", "cispo", "sapo"} <= set(POLICY_LOSSES)
     assert get_policy_loss_fn("vanilla") is compute_policy_loss_vanilla
     assert get_policy_loss("geo_mean").options is GeoMeanOptions
+    assert get_policy_loss_fn("cispo") is compute_policy_loss_cispo and get_policy_loss("cispo").options is CISPOOptions
+    assert get_policy_loss_fn("sapo") is compute_policy_loss_sapo and get_policy_loss("sapo").options is SAPOOptions
     with pytest.raises(ValueError) as err:
         get_policy_loss_fn("ppo2")
     for name in POLICY_LOSSES:
@@ -333,6 +440,20 @@ def test_the_actor_clip_ratios_are_the_defaults_of_the_ppo_ratio_losses_only():
     assert (own.clip_ratio_high, own.clip_ratio_low, own.loss_agg_mode) == (0.5, 0.1, "token-sum")
     with pytest.raises(LossOptionError, match="clip_ratio_c is not an option of GeoMeanOptions; valid: clip_ratio_low, clip_ratio_high"):
         options_from_section(GeoMeanOptions, section, {"clip_ratio_c": 2.0})
+
+
+def test_cispo_and_sapo_options_do_not_inherit_the_actor_clip_ratios():
+    """cispo clips the IS weight with its own epsilon_*, sapo has temperatures: actor.clip_ratio_*
+    (PPO's ratio clip) are not their defaults, and PPO's option names are refused naming the valid ones."""
+    section = actor_section(clip_ratio_low=0.1, clip_ratio_high=0.25)
+    cispo = options_from_section(CISPOOptions, section)
+    assert (cispo.epsilon_low, cispo.epsilon_high) == (1.0, 0.28)
+    sapo = options_from_section(SAPOOptions, section, {"tau_neg": 2.0}, loss_agg_mode="seq-mean-token-mean")
+    assert (sapo.tau_pos, sapo.tau_neg, sapo.loss_agg_mode) == (1.0, 2.0, "seq-mean-token-mean")
+    with pytest.raises(LossOptionError, match="clip_ratio_high is not an option of CISPOOptions; valid: epsilon_low, epsilon_high"):
+        options_from_section(CISPOOptions, section, {"clip_ratio_high": 0.2})
+    with pytest.raises(LossOptionError, match="tau is not an option of SAPOOptions; valid: tau_pos, tau_neg"):
+        options_from_section(SAPOOptions, section, {"tau": 1.0})
 
 
 def test_actor_terms_follow_the_section():

@@ -141,6 +141,40 @@ def test_bad_loss_options_name_the_key(overrides, pattern):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["actor.policy_loss=cispo", "actor.policy_loss_options.epsilon_low=1.5"],
+         r"actor\.policy_loss_options\.epsilon_low must be in \[0, 1\]"),
+        (["actor.policy_loss=cispo", "actor.policy_loss_options.epsilon_high=-0.1"],
+         r"actor\.policy_loss_options\.epsilon_high must be >= 0"),
+        (["actor.policy_loss=cispo", "actor.policy_loss_options.clip_ratio_high=0.3"],
+         r"actor\.policy_loss_options\.clip_ratio_high is not an option of actor\.policy_loss='cispo'; "
+         r"valid: epsilon_low, epsilon_high"),
+        (["actor.policy_loss=sapo", "actor.policy_loss_options.tau_neg=0"],
+         r"actor\.policy_loss_options\.tau_neg must be > 0"),
+        (["actor.policy_loss=sapo", "actor.policy_loss_options.tau=1.0"],
+         r"actor\.policy_loss_options\.tau is not an option of actor\.policy_loss='sapo'; valid: tau_pos, tau_neg"),
+    ],
+    ids=["cispo-epsilon_low", "cispo-epsilon_high", "cispo-unknown", "sapo-tau_neg", "sapo-unknown"],
+)
+def test_bad_cispo_and_sapo_options_name_the_key(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, overrides)
+
+
+def test_cispo_and_sapo_options_reach_the_loss_term():
+    from rlflow.algos import CISPOOptions, SAPOOptions, actor_loss_terms
+
+    cfg = to_dataclass(load_config(None, ["actor.policy_loss=cispo", "actor.policy_loss_options.epsilon_high=0.5",
+                                          "actor.clip_ratio_high=0.28"]))
+    assert actor_loss_terms(cfg.actor)[0].options == CISPOOptions(
+        epsilon_low=1.0, epsilon_high=0.5, loss_scale_factor=cfg.actor.loss_scale_factor)
+    cfg = to_dataclass(load_config(None, ["actor.policy_loss=sapo", "actor.policy_loss_options.tau_pos=0.5"]))
+    assert actor_loss_terms(cfg.actor)[0].options == SAPOOptions(
+        tau_pos=0.5, tau_neg=1.05, loss_scale_factor=cfg.actor.loss_scale_factor)
+
+
 # ---------------------------------------------------------------------------------------------
 # numeric ranges: one table (rlflow.config.NUMERIC_RANGES), every numeric key in it or in NO_RANGE
 # ---------------------------------------------------------------------------------------------
