@@ -69,6 +69,10 @@ TEMPERATURE = 0.7
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.15, 0.3, 2.5  # actor.clip_ratio_*: vanilla's and gspo's clip
 GEO_CLIP = (0.4, 0.4)  # geo_mean's own default (GMPO's; log space), not the actor's clip_ratio_*
 GEO_OWN_CLIP = (0.25, 0.35)  # geo_mean's clip set through actor.policy_loss_options
+CISPO_EPS = (1.0, 0.28)  # cispo's own default (epsilon_low, epsilon_high): no lower bound, weight <= 1.28
+CISPO_OWN_EPS = (CLIP_LOW, CLIP_HIGH)  # set through actor.policy_loss_options: both bounds act
+SAPO_TAU = (1.0, 1.05)  # sapo's own default (tau_pos, tau_neg), the paper's
+SAPO_OWN_TAU = (0.6, 2.5)  # set through actor.policy_loss_options
 ENTROPY_COEFF, KL_COEF = 0.05, 0.27
 CLIPRANGE_VALUE = 0.3
 
@@ -260,7 +264,8 @@ def actor_batch(reference_lm):
     # row 1 (one token): a sequence ratio below 1 - low with A < 0 (GSPO's lower clip)
     log_ratio[1, 0], advantages[1, 0] = -0.4, -0.8
     kinks = (math.log(1 - CLIP_LOW), math.log(1 + CLIP_HIGH), math.log(CLIP_C),
-             -GEO_CLIP[0], GEO_CLIP[1], -GEO_OWN_CLIP[0], GEO_OWN_CLIP[1])
+             -GEO_CLIP[0], GEO_CLIP[1], -GEO_OWN_CLIP[0], GEO_OWN_CLIP[1],
+             math.log(1 + CISPO_EPS[1]))  # cispo's own bounds are CLIP_LOW / CLIP_HIGH's kinks
     log_ratio = away_from(log_ratio, kinks)
     old_log_probs = (log_prob - log_ratio).float()
 
@@ -322,7 +327,8 @@ def local_mean(x, mask) -> float:
     return float(x[valid].to(F64).sum() / valid.sum())
 
 
-def policy_per_token(name, log_prob, old_log_prob, advantages, mask, geo_clip=GEO_CLIP):
+def policy_per_token(name, log_prob, old_log_prob, advantages, mask, geo_clip=GEO_CLIP, cispo_eps=CISPO_EPS,
+                     sapo_tau=SAPO_TAU):
     """(per-token loss carrying the gradient, {statistic: per-token 0/1 or value}) of each loss."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -370,6 +376,22 @@ def policy_per_token(name, log_prob, old_log_prob, advantages, mask, geo_clip=GE
         loss = seq_loss.unsqueeze(-1).expand_as(log_prob)
         lr = log_ratio.detach()
         stats["pg_clipfrac"] = ((row_pos & (lr > high)) | (row_neg & (lr < -low))).to(F64)
+    elif name == "cispo":
+        # MiniMax-M1 Eq. 4-5: a constant weight clip(r, 1 - eps_low, 1 + eps_high) times -A log pi;
+        # the gradient reaches log pi on every token, clipped or not
+        low, high = 1.0 - cispo_eps[0], 1.0 + cispo_eps[1]
+        r = ratio.detach()
+        weight = torch.where(r > high, torch.full_like(r, high), torch.where(r < low, torch.full_like(r, low), r))
+        loss = -weight * advantages * log_prob
+        stats["pg_clipfrac"] = ((r > high) | (r < low)).to(F64)
+        stats["pg_is_weight_mean"] = weight
+    elif name == "sapo":
+        # SAPO Eq. 5: -A * (4 / tau) * sigmoid(tau (r - 1)), tau by the token's advantage sign; the
+        # statistic is the gradient's weight 4 p (1 - p)
+        tau = torch.where(pos, torch.full_like(ratio, sapo_tau[0]), torch.full_like(ratio, sapo_tau[1]))
+        p = 1.0 / (1.0 + torch.exp(-tau * (ratio - 1.0)))
+        loss = -advantages * 4.0 * p / tau
+        stats["pg_gate_weight_mean"] = (4.0 * p * (1.0 - p)).detach()
     else:
         raise AssertionError(f"policy loss {name!r} has no independent formula in this test: add one")
     return loss, stats
@@ -391,7 +413,7 @@ def kl_per_token(kl_type, log_prob, ref_log_prob):
 
 
 def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0, own_token_count=False,
-                   geo_clip=GEO_CLIP, is_weights=None):
+                   geo_clip=GEO_CLIP, cispo_eps=CISPO_EPS, sapo_tau=SAPO_TAU, is_weights=None):
     """(loss, gradients by parameter name, metric values) from the float64 reference model.
     is_weights: the rollout correction's per-token weights, [B, R], which multiply the policy loss
     only (the counts of the aggregation and the policy statistics stay those of every valid token)."""
@@ -405,7 +427,7 @@ def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0,
     def agg(x):
         return aggregate(x, mask, mode, meta, own_token_count=own_token_count)
 
-    pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask, geo_clip)
+    pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask, geo_clip, cispo_eps, sapo_tau)
     if is_weights is not None:
         pg_tokens = pg_tokens * is_weights
     pg_loss = agg(pg_tokens)
@@ -489,8 +511,10 @@ def test_actor_composed_loss_matches_independent_float64(tiny_model_dir, referen
         expected = expected_actor(reference_lm, actor_batch, name, mode, kl_type, meta)
         if name == "vanilla":  # the data exercises every clip region (else the check would be weak)
             assert expected[2]["actor/pg_clipfrac"] > 0 and expected[2]["actor/pg_clipfrac_lower"] > 0
-        if name in ("gspo", "geo_mean"):
+        if name in ("gspo", "geo_mean", "cispo"):
             assert expected[2]["actor/pg_clipfrac"] > 0
+        if name == "sapo":  # the gate attenuates some tokens' gradients
+            assert expected[2]["actor/pg_gate_weight_mean"] < 0.99
         compare(run_worker(worker, actor_batch, meta), expected)
 
 
@@ -526,6 +550,38 @@ def test_policy_loss_options_from_the_config_reach_the_worker(tiny_model_dir, re
     compare(out, expected_actor(reference_lm, actor_batch, "geo_mean", mode, kl_type, meta, geo_clip=GEO_OWN_CLIP))
     with pytest.raises(AssertionError):
         compare(out, expected_actor(reference_lm, actor_batch, "geo_mean", mode, kl_type, meta, geo_clip=GEO_CLIP))
+
+
+OWN_OPTIONS = {
+    "cispo": ({"epsilon_low": CISPO_OWN_EPS[0], "epsilon_high": CISPO_OWN_EPS[1]},
+              {"cispo_eps": CISPO_OWN_EPS}, {"cispo_eps": CISPO_EPS}),
+    "sapo": ({"tau_pos": SAPO_OWN_TAU[0], "tau_neg": SAPO_OWN_TAU[1]},
+             {"sapo_tau": SAPO_OWN_TAU}, {"sapo_tau": SAPO_TAU}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_OPTIONS))
+def test_cispo_and_sapo_options_from_the_config_reach_the_worker(tiny_model_dir, reference_lm, actor_batch, name):
+    """cispo's IS-weight bounds (the lower one active too) and sapo's temperatures, set as
+    actor.policy_loss_options through load_config, are what the worker computes with; the defaults
+    would not match on this batch."""
+    mode = "seq-mean-token-mean"
+    own, formula, default_formula = OWN_OPTIONS[name]
+    cfg = to_dataclass(load_config(None, tiny_overrides(tiny_model_dir, **{
+        **BASE_OVERRIDES, "actor.policy_loss": name, "actor.loss_agg_mode": mode,
+        **{f"actor.policy_loss_options.{key}": value for key, value in own.items()}})))
+    worker = actor_worker(tiny_model_dir, cfg)
+    meta = meta_for(actor_batch, 2)
+    kl_type = cfg.actor.kl_loss_type
+    out = run_worker(worker, actor_batch, meta)
+    expected = expected_actor(reference_lm, actor_batch, name, mode, kl_type, meta, **formula)
+    if name == "cispo":  # both bounds clip some token (r < 1 - eps_low exists on this batch)
+        log_ratio = reference_log_probs_and_entropy(reference_lm, actor_batch)[0].detach() - actor_batch["old_log_probs"].to(F64)
+        valid = actor_batch["response_mask"] != 0
+        assert (log_ratio[valid] < math.log(1 - CISPO_OWN_EPS[0])).any()
+    compare(out, expected)
+    with pytest.raises(AssertionError):
+        compare(out, expected_actor(reference_lm, actor_batch, name, mode, kl_type, meta, **default_formula))
 
 
 @pytest.mark.parametrize("kl_type", KL_PENALTY_MODES)
