@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -59,16 +60,28 @@ def test_ppo_dp2_actor_and_critic_receive_driver_metadata(ray_session, tiny_mode
         trainer.shutdown()
 
 
-def test_grpo_starts_no_critic(ray_session, tiny_model_dir, tmp_path):
+# the policy loss's own statistic, which shows it ran in the actor (vanilla reports the common four only)
+OWN_POLICY_METRIC = {"vanilla": None, "cispo": "actor/pg_is_weight_mean", "sapo": "actor/pg_gate_weight_mean"}
+
+
+@pytest.mark.parametrize("policy_loss", sorted(OWN_POLICY_METRIC))
+def test_grpo_starts_no_critic(ray_session, tiny_model_dir, tmp_path, policy_loss):
+    """One GRPO step, no critic, with each policy loss; two mini-batches of 8, so the second one's
+    ratio is off 1 (cispo's weight and sapo's gate act on it)."""
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"algorithm.adv_estimator": "grpo", "trainer.total_steps": 1,
-                                                             "trainer.default_local_dir": str(tmp_path)}))
+                                                             "trainer.default_local_dir": str(tmp_path),
+                                                             "actor.policy_loss": policy_loss}))
     trainer = PPOTrainer(cfg)
+    assert not trainer.update_is_on_policy(16)
     trainer.setup()
     try:
         assert set(trainer.groups) == {"actor", "rollout"}
         metrics = trainer.train_step(0)
         assert not any(k.startswith("critic/") for k in metrics)
-        assert "actor/pg_loss" in metrics
+        assert math.isfinite(metrics["actor/pg_loss"])
+        own = OWN_POLICY_METRIC[policy_loss]
+        if own is not None:
+            assert 0 < metrics[own] <= 2.0, metrics[own]  # a weight near 1: the update moved the policy a little
     finally:
         trainer.shutdown()
 
