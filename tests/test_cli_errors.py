@@ -271,18 +271,18 @@ def test_keyboard_interrupt_is_not_caught(failing_train, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_worker_error_after_ray_started_ends_in_one_line(tiny_model_dir):
-    """The real thing: Ray starts, the workers load the model, the first generate call cannot
-    return within trainer.remote_timeout_s; the driver raises WorkerError."""
-    proc = _rlflow("train", f"actor.model.path={tiny_model_dir}", "data.train_batch_size=8", "data.synthetic_train_size=64",
-                   "data.synthetic_val_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8", "trainer.total_steps=1",
-                   "trainer.val_before_train=false", "trainer.logger=[console]", "reward.num_workers=0",
-                   "algorithm.adv_estimator=grpo", "trainer.remote_timeout_s=0.001",
-                   f"trainer.default_local_dir={os.path.join(tiny_model_dir, os.pardir, 'cli_worker_error_run')}",
-                   limit_s=240)
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.splitlines()[-1]
+def test_a_worker_error_after_ray_started_ends_in_one_line(ray_session, tiny_model_dir, tmp_path, capsys):
+    """The real thing, in this process on the session's Ray: the workers load the model, the first
+    generate call cannot return within trainer.remote_timeout_s; the driver raises WorkerError."""
+    code = main(["train", f"actor.model.path={tiny_model_dir}", "data.train_batch_size=8",
+                 "data.synthetic_train_size=64", "data.synthetic_val_size=8", "rollout.n=2",
+                 "actor.ppo_mini_batch_size=8", "trainer.total_steps=1", "trainer.val_before_train=false",
+                 "trainer.logger=[console]", "reward.num_workers=0", "algorithm.adv_estimator=grpo",
+                 "trainer.remote_timeout_s=0.001", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
     assert last.startswith("rlflow: error: WorkerError: ") and "trainer.remote_timeout_s=0.001" in last, last
     path = _traceback_file(last)
     try:
