@@ -112,12 +112,14 @@ def check_reward_fn(cfg: RLFlowConfig, reward_fn) -> None:
 
 # -- data, reward, KL ---------------------------------------------------------------------------------
 
-def make_data(cfg: RLFlowConfig, tokenizer, train_rows: list[dict] | None, val_rows: list[dict] | None):
+def make_data(cfg: RLFlowConfig, tokenizer, train_rows: list[dict] | None, val_rows: list[dict] | None,
+              target_key: str | None = None):
     """(train dataset, validation dataset or None, the train loader): rows given in memory replace
-    data.train_files or the synthetic task (and then validation runs only on val_rows)."""
+    data.train_files or the synthetic task (and then validation runs only on val_rows). target_key:
+    each item also holds its row's target response (SFT)."""
     data = cfg.data
     kwargs = dict(prompt_key=data.prompt_key, apply_chat_template=_chat_flag(data.apply_chat_template),
-                  filter_overlong=data.filter_overlong_prompts)
+                  filter_overlong=data.filter_overlong_prompts, target_key=target_key)
     if train_rows is not None:
         train = PromptDataset(train_rows, tokenizer, data.max_prompt_length,
                               source="train_dataset (rows given in memory)", **kwargs)

@@ -1,4 +1,5 @@
-"""`rlflow train [CONFIG.yaml] [key=value ...]`, `rlflow config [CONFIG.yaml] [key=value ...]`,
+"""`rlflow train [CONFIG.yaml] [key=value ...]`, `rlflow sft [CONFIG.yaml] [key=value ...]`,
+`rlflow config [CONFIG.yaml] [key=value ...]`,
 `rlflow plot RUN_DIR`, `rlflow export CKPT OUT`, `rlflow convert smollm2`.
 
 Every error ends the output with one line on stderr (a multi-line message joined into one):
@@ -74,6 +75,19 @@ def cmd_train(args: list[str]) -> int:
         keys = [k for k in ("val/acc_mean", "val/score_mean") if k in first]
         summary = ", ".join(f"{k}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} (step {last['step']})" for k in keys)
         print(f"rlflow: validation {summary}")
+    return 0
+
+
+def cmd_sft(args: list[str]) -> int:
+    from controllers.sft import SFT, sft_config
+
+    path, overrides = _split_config_and_overrides(args)
+    cfg = sft_config(path, overrides)  # every config error surfaces here, before Ray starts
+    history = SFT(cfg).fit()
+    vals = [h for h in history if "val/nll_mean" in h]
+    if vals:
+        print(f"rlflow: validation nll per token {vals[0]['val/nll_mean']:.4f} (step {vals[0]['step']}) -> "
+              f"{vals[-1]['val/nll_mean']:.4f} (step {vals[-1]['step']})")
     return 0
 
 
@@ -192,6 +206,8 @@ def _parser() -> argparse.ArgumentParser:
                              "accepted anywhere on the command line")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("train", help="train; default: the embedded tiny task on a local Ray", add_help=False)
+    sub.add_parser("sft", help="supervised fine-tuning of the actor on prompt/response rows (data.response_key)",
+                   add_help=False)
     plot = sub.add_parser("plot", help="render reward/loss/KL curves of a run to PNG")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
@@ -212,6 +228,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(argv: list[str]) -> int:
     if not argv or argv[0] == "train":
         return cmd_train(argv[1:])
+    if argv[0] == "sft":
+        return cmd_sft(argv[1:])
     parser = _parser()
     ns = parser.parse_args(argv)
     if ns.command == "plot":

@@ -394,6 +394,10 @@ def policy_per_token(name, log_prob, old_log_prob, advantages, mask, geo_clip=GE
         p = 1.0 / (1.0 + torch.exp(-tau * (ratio - 1.0)))
         loss = -advantages * 4.0 * p / tau
         stats["pg_gate_weight_mean"] = (4.0 * p * (1.0 - p)).detach()
+    elif name == "nll":
+        # SFT: the negative log-likelihood of each token; no ratio (ppo_kl 0)
+        loss = -log_prob
+        stats["ppo_kl"] = zero.detach()
     else:
         raise AssertionError(f"policy loss {name!r} has no independent formula in this test: add one")
     return loss, stats

@@ -128,7 +128,9 @@ class ActorWorker(CollectiveWeightSender, LogProbMixin, TrainableWorker):  # rol
 
     def update(self, shards: list[TensorDict]) -> list[list[dict[str, Metric]]]:
         # without old log-probs the update is on-policy only if it is the step's one optimizer step
-        if len(shards) != 1 and any("old_log_probs" not in shard.keys() for shard in shards):
+        # (a loss that reads none, e.g. SFT's nll, takes any number of mini-batches)
+        reads_old = any("old_log_probs" in term.spec.inputs for term in self.loss_terms)
+        if reads_old and len(shards) != 1 and any("old_log_probs" not in shard.keys() for shard in shards):
             raise ValueError(f"actor rank {self.rank}: {len(shards)} mini-batches without old_log_probs; "
                              "only a single on-policy mini-batch may omit them")
         return super().update(shards)

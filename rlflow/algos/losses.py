@@ -684,3 +684,15 @@ def compute_policy_loss_sapo(batch: Batch, meta, options: SAPOOptions):
     metrics = policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio)
     metrics["pg_gate_weight_mean"] = masked_mean_metric(gradient_weight, mask)
     return pg_loss, metrics
+
+
+@register_policy_loss("nll", inputs=("log_probs", "response_mask"))
+def compute_policy_loss_nll(batch: Batch, meta, options: LossOptions):
+    """Supervised fine-tuning's loss: the negative log-likelihood of each response token,
+    -log pi(token), aggregated like every loss (token-mean: the mini-batch's summed NLL over its
+    token count, batch_num_tokens, whatever the split). It reads neither advantages nor old
+    log-probs: `rlflow sft` trains with it (controllers/sft.py); in an RL run it would clone the
+    sampled responses. ppo_kl is 0 (no ratio)."""
+    log_prob, mask = batch["log_probs"], batch["response_mask"]
+    pg_loss = aggregate_policy(-log_prob, batch, meta, options)
+    return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=torch.zeros_like(log_prob))

@@ -280,6 +280,18 @@ def _source_prompt(prompt) -> dict:
     return {"prompt": [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]}
 
 
+def _target_of(row: Mapping, key: str, index: int, source: str) -> str:
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise ValueError(f"{source}, row {index}: no {key!r} (data.response_key: the SFT target response); "
+                             f"columns: {sorted(row)}")
+        value = value[part]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{source}, row {index}: {key!r} (data.response_key) holds {value!r}, not a non-empty string")
+    return value
+
+
 class PromptDataset(Sequence):
     """Tokenised prompts; ``dataset[i]`` is a dict with ``input_ids`` (list[int]),
     ``data_source``, ``ground_truth``, ``extra_info``, ``raw_prompt`` (the exact text that was
@@ -297,6 +309,10 @@ class PromptDataset(Sequence):
 
     Prompts longer than ``max_prompt_length`` tokens are dropped when ``filter_overlong`` (counted
     in ``num_dropped``, with a warning), otherwise they are an error.
+
+    ``target_key`` (SFT, controllers/sft.py): each item also holds ``target``, the row's target
+    response, from that column or dotted path (``reward_model.ground_truth``); a row without a
+    non-empty string there is an error naming the row.
     """
 
     def __init__(
@@ -308,6 +324,7 @@ class PromptDataset(Sequence):
         apply_chat_template: bool | str = "auto",
         filter_overlong: bool = True,
         source: str | Sequence[str] | None = None,
+        target_key: str | None = None,
     ):
         if apply_chat_template not in ("auto", True, False):
             raise ValueError(
@@ -348,8 +365,13 @@ class PromptDataset(Sequence):
                 self.dropped_indices.append(i)
                 continue
             rm = row.get("reward_model") or {}
+            if target_key is not None:
+                extra = {"target": _target_of(row, target_key, i, self.source)}
+            else:
+                extra = {}
             items.append(
                 {
+                    **extra,
                     "input_ids": ids,
                     "data_source": row.get("data_source"),
                     "ground_truth": rm.get("ground_truth") if isinstance(rm, Mapping) else None,
