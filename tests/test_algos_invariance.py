@@ -256,6 +256,9 @@ OPTION_STRATEGIES = {
     "entropy_coeff": st.floats(-1.0, 1.0).filter(lambda c: abs(c) > 1e-3),
     "kl_loss_coef": st.floats(0.001, 1.0),
     "kl_loss_type": st.sampled_from(KL_PENALTY_MODES),
+    # the distillation term's (actor.distill): its weight and its per-token estimator
+    "coef": st.floats(0.001, 2.0),
+    "kl_type": st.sampled_from(KL_PENALTY_MODES),
 }
 
 
@@ -281,6 +284,8 @@ def term_inputs(gen, keys, rows, width, dtype, outcome_advantages: bool) -> dict
         "log_probs": lambda: log_probs,
         "old_log_probs": lambda: log_probs + randn(gen, *shape, scale=0.8, dtype=dtype),
         "ref_log_prob": lambda: log_probs + randn(gen, *shape, scale=1.5, dtype=dtype),
+        # the teacher's: gaps of both signs, some past k3's clamp, as the reference's
+        "teacher_log_prob": lambda: log_probs + randn(gen, *shape, scale=1.5, dtype=dtype),
         "advantages": lambda: advantages,
         "entropy": lambda: randn(gen, *shape, dtype=dtype).abs() * 2,
         "vpreds": lambda: vpreds,
@@ -362,6 +367,36 @@ def test_kl_loss_split_invariance(mode, kl_type, case):
     assert_invariant(check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"]))
 
 
+@pytest.mark.parametrize("kl_type", KL_PENALTY_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@KL_HYPOTHESIS
+@given(case=splits(), on_policy=st.booleans())
+def test_distill_loss_split_invariance(mode, kl_type, case, on_policy):
+    """The distillation term with every estimator for sure (the term test draws the type at
+    random), on-policy too: old_log_probs the detached log_probs, as the actor's on-policy path
+    passes them (the ratio 1 with gradient grad log pi)."""
+    spec = LOSS_TERMS["distill_loss"]
+    options = spec.options(loss_agg_mode=mode, loss_scale_factor=LOSS_SCALE_FACTOR, kl_type=kl_type, coef=0.7)
+    gen, mask, plan, meta = setup_case(case)
+    inputs = term_inputs(gen, ["log_probs", "old_log_probs", "teacher_log_prob"], case["rows"], case["width"],
+                         case["dtype"], False)
+    if not on_policy:
+        loss_fn, leaf_init = term_loss_fn(spec.fn, options, inputs, mask)
+    else:
+        keys = ["log_probs", "teacher_log_prob"]
+
+        def loss_fn(leaf, rows, width, meta):
+            batch = {key: sliced(leaf[i], rows, width) for i, key in enumerate(keys)}
+            batch["old_log_probs"] = batch["log_probs"].detach()
+            batch["response_mask"] = sliced(mask, rows, width)
+            return spec.fn(batch, meta, options)
+
+        leaf_init = torch.stack([inputs[key] for key in keys])
+    result = check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"])
+    assert {"distill_loss", "distill_reverse_kl"} == result["whole_metrics"].keys()
+    assert_invariant(result)
+
+
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @HYPOTHESIS
 @given(case=splits())
@@ -390,7 +425,7 @@ def test_composed_actor_loss_split_invariance(policy_loss, case, data):
     terms = [LossTerm("policy_loss", POLICY_LOSSES[policy_loss],
                       term_options(POLICY_LOSSES[policy_loss].options, mode, data.draw))]
     terms += [LossTerm(name, LOSS_TERMS[name], term_options(LOSS_TERMS[name].options, mode, data.draw))
-              for name in ("entropy_bonus", "kl_loss")]
+              for name in ("entropy_bonus", "kl_loss", "distill_loss")]
     gen, mask, plan, meta = setup_case(case)
     keys = sorted({key for term in terms for key in term.spec.inputs} - {"response_mask"})
     inputs = term_inputs(gen, keys, case["rows"], case["width"], case["dtype"], False)
@@ -400,7 +435,8 @@ def test_composed_actor_loss_split_invariance(policy_loss, case, data):
 
     loss_fn, leaf_init = term_loss_fn(composed, None, inputs, mask)
     result = check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"])
-    assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"} <= result["whole_metrics"].keys()
+    assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/distill_loss",
+            "actor/distill_reverse_kl"} <= result["whole_metrics"].keys()
     assert_invariant(result)
 
 

@@ -399,6 +399,50 @@ def kl_loss_term(batch: Batch, meta, options: KLLossOptions):
     return options.kl_loss_coef * kl_loss, {"kl_loss": aggregated_loss_metric(kl_loss, meta)}
 
 
+# the teacher's log-prob of each sampled response token, [B, R] (controllers/roles.py: TEACHER)
+TEACHER_LOG_PROB = "teacher_log_prob"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillOptions(LossOptions):
+    """On-policy distillation (actor.distill): `coef` weights the term, `kl_type` is the per-token
+    estimator k of rlflow.algos.kl (k3 by default: its gradient is the per-token reverse KL's, see
+    distill_loss_term). An error names the config key (actor.distill.<option>)."""
+
+    coef: float = 1.0
+    kl_type: str = "low_var_kl"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("distill.coef", self.coef, lambda v: v >= 0, ">= 0")
+        if self.kl_type not in KL_PENALTY_MODES:
+            raise LossOptionError("distill.kl_type", f"must be one of {', '.join(KL_PENALTY_MODES)}, got {self.kl_type!r}")
+
+
+@register_loss_term("distill_loss", DistillOptions, ("log_probs", "old_log_probs", TEACHER_LOG_PROB, "response_mask"))
+def distill_loss_term(batch: Batch, meta, options: DistillOptions):
+    """coef * aggregate(rho * k(log pi, log pi_teacher)): the reverse KL(pi || pi_teacher) of each
+    sampled token, importance-weighted to the current policy.
+
+    rho = exp(log pi - log pi_old) (clamped like the policy losses' ratio) is 1 on-policy with
+    gradient grad log pi, so the gradient is grad k + k grad log pi: the pathwise and the
+    score-function part of grad E_{y ~ pi}[k(y)], unbiased for the per-token reverse KL with the
+    unbiased estimators (k1, k3). With k3 it is exactly (log pi - log pi_teacher) grad log pi (the
+    policy gradient of the reward -(log pi - log pi_teacher), Thinking Machines' on-policy
+    distillation), where k3's clamp does not act. distill_reverse_kl: the token mean of
+    log pi - log pi_teacher (k1, the reverse KL's unbiased estimate on the sampled tokens).
+    """
+    log_prob, teacher_log_prob, mask = batch["log_probs"], batch[TEACHER_LOG_PROB], batch["response_mask"]
+    estimate = kl_penalty(log_prob, teacher_log_prob, options.kl_type)
+    ratio = torch.exp(_log_ratio(batch["old_log_probs"], log_prob))
+    distill_loss = aggregate(ratio * estimate, mask, meta, options)
+    metrics = {
+        "distill_loss": aggregated_loss_metric(distill_loss, meta),
+        "distill_reverse_kl": masked_mean_metric(log_prob - teacher_log_prob, mask),
+    }
+    return options.coef * distill_loss, metrics
+
+
 # ----------------------------------------------------------------------------- policy losses
 
 POLICY_LOSSES: dict[str, TermSpec] = {}
