@@ -17,6 +17,7 @@ transformers (tests/test_sft.py's negative control). Log-probs are at temperatur
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -43,9 +44,21 @@ SFT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mas
 
 
 def sft_config(path=None, overrides: list[str] | None = None):
-    """load_config with SFT_SETTINGS on top (every check of load_config runs on the result)."""
+    """load_config with SFT_SETTINGS on top (every check of load_config runs on the result). Unless
+    the recipe or an override sets actor.ppo_mini_batch_size, it is data.train_batch_size: one
+    optimizer step per step (the RL default counts rollout.n responses per prompt)."""
+    overrides = list(overrides or [])
     settings = [f"{key}={value}" if not isinstance(value, dict) else f"{key}={{}}" for key, value in SFT_SETTINGS.items()]
-    return load_config(path, [*(overrides or []), *settings])
+    if not _sets(path, overrides, "actor.ppo_mini_batch_size"):
+        settings.append("actor.ppo_mini_batch_size=${data.train_batch_size}")
+    return load_config(path, [*overrides, *settings])
+
+
+def _sets(path, overrides: list[str], key: str) -> bool:
+    """Whether the recipe at `path` or an override sets `key`."""
+    if any(item.split("=", 1)[0].strip().lstrip("+") == key for item in overrides):
+        return True
+    return bool(path) and os.path.isfile(path) and OmegaConf.select(OmegaConf.load(path), key) is not None
 
 
 class SFTTrainer(PPOTrainer):
