@@ -52,7 +52,8 @@ CONSOLE_KEYS = (
 )
 # what the step keeps of the rollout's batch (the estimator's declared inputs are added to it)
 STEP_KEYS = MODEL_INPUT_KEYS + ("group_index", "token_level_scores")
-OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs", "rule_scores", "rm_scores", "overlong_penalty")
+OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs", "rule_scores", "rm_scores", "judge_scores",
+                      "overlong_penalty")
 
 
 class Timer:
@@ -527,6 +528,7 @@ class PPOTrainer:
         if "acc" in batch.keys():
             metrics["reward/acc_mean"] = batch["acc"].mean().item()
         for key, name in (("rule_scores", "reward/rule_score_mean"), ("rm_scores", "reward/rm_score_mean"),
+                          ("judge_scores", "reward/judge_score_mean"),
                           ("overlong_penalty", "reward/overlong_penalty_mean")):
             if key in batch.keys():
                 metrics[name] = batch[key].mean().item()
@@ -619,6 +621,9 @@ class PPOTrainer:
                 self.saver.finished(wait=True)  # a checkpoint being written is finished, whatever else failed
         with contextlib.suppress(Exception):
             self.reward_manager.close()  # the reward pool's processes
+        if getattr(self, "score", None) is not None:
+            with contextlib.suppress(Exception):
+                self.score.close()  # the judge's pool
         if getattr(self, "env_pool", None) is not None:
             with contextlib.suppress(Exception):
                 self.env_pool.close()

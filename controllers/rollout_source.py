@@ -33,6 +33,7 @@ from rlflow.algos import estimator_inputs
 from rlflow.algos.dynamic_sampling import groups_with_variance, overlong_penalty, rows_of_groups
 from rlflow.data.dataset import ROW_DATA_KEYS, get_row_data
 from rlflow.protocol import assemble_rollout, concat_rollouts, last_valid_index, left_pad, right_pad
+from rlflow.rewards.judge import judge_items
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -52,12 +53,14 @@ class Scorer:
     response token."""
 
     def __init__(self, tokenizer, reward_manager, rule_weight: float = 1.0, reward_model=None,
-                 reward_model_weight: float = 1.0):
+                 reward_model_weight: float = 1.0, judge=None, judge_weight: float = 1.0):
         self.tokenizer = tokenizer
         self.reward = reward_manager
         self.rule_weight = rule_weight
         self.reward_model = reward_model  # set once its worker group runs (controllers/setup.py connect_reward_model)
         self.reward_model_weight = reward_model_weight
+        self.judge = judge  # the judge's RewardPool (rlflow/rewards/judge.py), or None
+        self.judge_weight = judge_weight
 
     def __call__(self, batch: TensorDict, rows: dict) -> tuple[torch.Tensor, dict]:
         responses, mask = batch["responses"], batch["response_mask"]
@@ -69,13 +72,21 @@ class Scorer:
             prompts = [source["prompt"] for source in rows["source_prompt"]]
             pending = self.reward_model.score_async(prompts, texts)
         scores, extras, num_errors = [0.0] * len(texts), {}, 0
-        if pending is None or self.rule_weight != 0:
+        learned = pending is not None or self.judge is not None  # a score besides the rule's
+        if not learned or self.rule_weight != 0:
             rule, extras, num_errors = self.reward.score_batch(texts, rows["data_source"], rows["ground_truth"],
                                                                rows["extra_info"])
             scores = [self.rule_weight * float(score) for score in rule]
             extras = dict(extras)
-            if pending is not None:
+            if learned:
                 extras["rule_score"] = [float(score) for score in rule]
+        if self.judge is not None:  # its own pool: reward.timeout_s and reward.on_error per verdict
+            items = judge_items([source["prompt"] for source in rows["source_prompt"]], texts, rows["ground_truth"],
+                                rows["data_source"], rows["extra_info"])
+            judged, _, judge_errors = self.judge.assemble(self.judge.outcomes(items), rows["data_source"])
+            extras["judge_score"] = judged
+            num_errors += judge_errors
+            scores = [score + self.judge_weight * verdict for score, verdict in zip(scores, judged, strict=True)]
         if pending is not None:
             model_scores = self.reward_model.collect(pending)
             extras["rm_score"] = model_scores
@@ -86,11 +97,17 @@ class Scorer:
         extras["num_reward_errors"] = num_errors
         return token_scores, extras
 
+    def close(self) -> None:
+        """Stops the judge's processes (the next batch starts new ones)."""
+        if self.judge is not None:
+            self.judge.close()
+
 
 def attach_scores(cfg, batch: TensorDict, scores: torch.Tensor, extras: dict) -> None:
     """A scored rollout's keys: token_level_scores (with DAPO's overlong penalty), and acc,
     rule_scores, rm_scores where the reward reported them (popped from extras)."""
-    for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores")):
+    for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores"),
+                           ("judge_score", "judge_scores")):
         if key in extras:
             batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
     buffer = cfg.reward.overlong_buffer

@@ -33,6 +33,7 @@ from rlflow.data.dataset import PromptDataset, StatefulDataLoader, rows_from
 from rlflow.data.synthetic import make_synthetic_rows
 from rlflow.models import MODEL_ALIASES, resolve_alias
 from rlflow.rewards import RewardManager, compute_score, load_custom_reward_fn
+from rlflow.rewards.judge import make_judge_pool
 from rlflow.rewards.model import RewardModelClient, check_reward_model_folder
 from rlflow.rewards.pool import RewardPool, pickle_reward_fn
 from rlflow.tiny import warm_start
@@ -167,9 +168,11 @@ def check_env_and_reward_model(cfg: RLFlowConfig) -> None:
 
 
 def make_scorer(cfg: RLFlowConfig, tokenizer, reward_manager) -> Scorer:
-    """Scores a rollout; its reward model client is set once that worker group runs."""
+    """Scores a rollout; its reward model client is set once that worker group runs. The judge's
+    folder, template and parser are checked here, before Ray starts (its pool starts on the first batch)."""
     return Scorer(tokenizer, reward_manager, rule_weight=cfg.reward.rule_weight,
-                  reward_model_weight=cfg.reward_model.weight)
+                  reward_model_weight=cfg.reward_model.weight, judge=make_judge_pool(cfg),
+                  judge_weight=cfg.reward.judge.weight)
 
 
 def make_kl_controller(cfg: RLFlowConfig):

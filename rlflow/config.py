@@ -306,6 +306,28 @@ class RewardModelConfig:
 class KLControlConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
+@dataclass
+class JudgeConfig:
+    """A judge reward (rlflow/rewards/judge.py): an LLM asked for a verdict on each response, the
+    verdict parsed to a score, added with `weight`; it runs in a reward pool of its own
+    (num_workers processes, each loading the judge once) under reward.timeout_s and reward.on_error."""
+
+    enable: bool = False
+    model_path: str = ""  # a local HF causal LM folder (an instruct model), or an alias (smollm2-135m)
+    engine: str = "auto"  # hf | vllm | auto (vllm when importable)
+    # the judge's prompt: {prompt}, {response}, {ground_truth} replaced; "" and no template_file: the default
+    template: str = ""
+    template_file: str = ""  # a text file holding the template (over `template`)
+    parser: str = ""  # "": the default ([[x]], Rating: x, yes/no, a number); module:function or file.py:function
+    max_prompt_length: int = 1024  # tokens of the judge's prompt; a longer one loses its start
+    max_new_tokens: int = 64  # tokens of a verdict
+    temperature: float = 0.0  # 0: greedy
+    dtype: str = "float32"
+    weight: float = 1.0  # a sample's score: reward.rule_weight * rule + weight * the judge's
+    num_workers: int = 1  # judge processes, each with its own copy of the judge
+    num_gpus: float = 0.0  # GPUs each judge process reserves (0: the judge runs on CPU)
+
+
     target_kl: float = 0.1
     horizon: int = 10000
 
@@ -321,6 +343,7 @@ class RolloutCorrectionConfig:
     low: float = 0.5  # [low, high]: the *_mis modes' band (ratio outside -> weight 0) and the
     high: float = 2.0  # band of the rollout_corr/out_of_band_frac metric; low <= 1 <= high
 
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 @dataclass
 class FilterGroupsConfig:
@@ -783,6 +806,12 @@ NO_RANGE: dict[str, str] = {
 def _lookup(cfg: Any, key: str) -> Any:
     value = cfg
     for name in key.split("."):
+    "reward.judge.max_prompt_length": at_least(1),
+    "reward.judge.max_new_tokens": at_least(1),
+    "reward.judge.temperature": at_least(0, "0: greedy"),
+    "reward.judge.weight": at_least(0),
+    "reward.judge.num_workers": at_least(1),
+    "reward.judge.num_gpus": at_least(0, "0: the judge runs on CPU"),
         value = value[name] if isinstance(value, dict) else getattr(value, name)
     return value
 
@@ -1013,7 +1042,8 @@ def _check_mixed_precision(role: str, section: DictConfig) -> None:
 def _check_reward_model(cfg: DictConfig) -> None:
     section = cfg.reward_model
     if not section.enable:
-        _need(cfg.reward.rule_weight > 0, "reward.rule_weight=0 leaves no reward: enable reward_model or set it > 0")
+        _need(cfg.reward.rule_weight > 0 or cfg.reward.judge.enable,
+              "reward.rule_weight=0 leaves no reward: enable reward_model (or reward.judge) or set it > 0")
         return
     _need(bool(section.path), "reward_model.enable=true needs reward_model.path (a *ForSequenceClassification HF folder)")
     _need(section.dtype in ("float32", "bfloat16", "float16"),
@@ -1043,6 +1073,26 @@ def _check_dynamic_sampling(cfg: DictConfig) -> None:
         _need(not cfg.trainer.replay_rollouts, "algorithm.filter_groups generates until enough groups are kept: "
                                                "it cannot be used with trainer.replay_rollouts (replay the filtered "
                                                "recording without it)")
+    _check_judge(cfg)
+
+
+def _check_judge(cfg: DictConfig) -> None:
+    """reward.judge's keys (its folder, template file and parser are checked before Ray starts:
+    rlflow.rewards.judge.check_judge)."""
+    judge = cfg.reward.judge
+    if not judge.enable:
+        return
+    _need(bool(judge.model_path), "reward.judge.enable=true needs reward.judge.model_path (a HF causal LM folder "
+                                  "of an instruct model, or an alias such as smollm2-135m)")
+    _need(judge.engine in ("auto", "hf", "vllm"), f"reward.judge.engine={judge.engine!r} is not one of auto, hf, vllm")
+    _need(judge.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+          "reward.judge.engine=vllm needs the vllm package (or reward.judge.engine=hf)")
+    _need(judge.dtype in ("float32", "bfloat16", "float16"),
+          f"reward.judge.dtype={judge.dtype!r} is not one of float32, bfloat16, float16")
+    _need(judge.template_file or not judge.template or "{response}" in judge.template,
+          "reward.judge.template has no {response} placeholder: the judge would never see the response")
+    _need(not cfg.rollout.agent.env, "rollout.agent.env: the environment rewards the episodes; reward.judge.enable "
+                                     "is not supported with it")
     if buffer.enable:
         _need(1 <= buffer.len <= cfg.data.max_response_length,
               f"reward.overlong_buffer.len must be in [1, data.max_response_length={cfg.data.max_response_length}], "

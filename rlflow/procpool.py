@@ -151,7 +151,8 @@ class Request:
 
 class ProcessPool:
     """``num_workers`` processes of ``worker_cls`` (a PoolWorker), each created with
-    ``worker_args()`` (evaluated at each start: the driver's sys.path and folder as they are then),
+    ``worker_args()`` (evaluated at each start: the driver's sys.path and folder as they are then)
+    and ``actor_options`` (ray.remote's, over num_cpus=0: e.g. num_gpus),
     each call bounded by ``timeout_s`` and each start by ``startup_timeout_s``. ``loading`` says
     what a process loads, for the start-up errors; ``load_error`` turns the error that loading
     raised in a process into the one to raise (default: that error itself).
@@ -161,12 +162,14 @@ class ProcessPool:
 
     def __init__(self, worker_cls: type[PoolWorker], worker_args: Callable[[], tuple], num_workers: int,
                  timeout_s: float, startup_timeout_s: float = 900.0, slot_cls: type[Slot] = Slot,
-                 loading: str = "its code", load_error: Callable[[BaseException], BaseException] | None = None):
+                 loading: str = "its code", load_error: Callable[[BaseException], BaseException] | None = None,
+                 actor_options: dict | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.actor_cls = ray.remote(num_cpus=0, max_restarts=0)(worker_cls)
+        # actor_options: more of ray.remote's options (e.g. num_gpus for a pool whose processes need one)
+        self.actor_cls = ray.remote(**{"num_cpus": 0, **(actor_options or {}), "max_restarts": 0})(worker_cls)
         self.worker_args = worker_args
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)

@@ -59,7 +59,11 @@ def _reward_fn(path: str | None, name: str, fn_bytes: bytes | None):
     """The function a process scores with: the driver's callable (unpickled once sys.path is the
     driver's), ``name`` from the reward file, or the built-in compute_score."""
     if fn_bytes is not None:
-        return cloudpickle.loads(fn_bytes)
+        fn = cloudpickle.loads(fn_bytes)
+        # a callable that holds a model (the judge, rlflow/rewards/judge.py) loads it here, once per
+        # process, within the start-up timeout: not on its first sample, within reward.timeout_s
+        load = getattr(fn, "load_in_process", None)
+        return load() if callable(load) else fn
     return load_custom_reward_fn(path, name) if path else compute_score
 
 
@@ -214,7 +218,7 @@ class _Batch(Request):
 
     def overdue(self, slot: _Slot) -> None:
         self._lose(slot, Outcome(
-            "timeout", what=f"reward function did not return within reward.timeout_s={self.pool.timeout_s:g} s",
+            "timeout", what=f"{self.pool.label} did not return within reward.timeout_s={self.pool.timeout_s:g} s",
             detail=" and was stopped (its reward process was killed)"))
 
     def _lose(self, slot: _Slot, outcome: Outcome) -> None:
@@ -231,21 +235,27 @@ class _Batch(Request):
 class RewardPool(RewardManager, ProcessPoolOwner):
     """Scores batches in ``num_workers`` Ray processes that load ``name`` from the reward file
     at ``path`` (None: the built-in ``compute_score``), or that run ``fn``, a Python callable
-    pickled to them (it replaces ``path``); each sample may run ``timeout_s`` seconds.
+    pickled to them (it replaces ``path``; one with a ``load_in_process()`` method is loaded by it in
+    each process, e.g. the judge's model); each sample may run ``timeout_s`` seconds.
+    ``actor_options``: ray.remote options of the processes (num_gpus); ``label`` names the function
+    in a timeout's error.
 
     The processes start on the first batch (Ray must be running); ``close()`` kills them. Not
     thread-safe: one batch at a time."""
 
     def __init__(self, path: str | os.PathLike | None = None, name: str = "compute_score", num_workers: int = 2,
                  timeout_s: float = 30.0, on_error: str = "raise", startup_timeout_s: float = 900.0,
-                 max_logged_errors: int = 5, fn=None):
+                 max_logged_errors: int = 5, fn=None, actor_options: dict | None = None,
+                 label: str = "reward function"):
         super().__init__(None, on_error, max_logged_errors)
+        self.label = label  # what a timeout names: "reward function", "judge"
         self.fn_bytes = None if fn is None else pickle_reward_fn(fn)
         self.fn_name = None if fn is None else getattr(fn, "__qualname__", repr(fn))
         self.path = os.path.abspath(os.fspath(path)) if path else None
         self.name = name
         self.procs = ProcessPool(RewardWorker, self._worker_args, num_workers, timeout_s, startup_timeout_s,
-                                 slot_cls=_Slot, loading=f"the reward function ({self._source()})")
+                                 slot_cls=_Slot, loading=f"the {label} ({self._source()})",
+                                 actor_options=actor_options)
         self.poll_s = min(0.05, self.timeout_s / 4)  # how often a busy process reports
         self.sample_s: float | None = None  # seconds per sample in the last batch's whole chunks
 
