@@ -271,42 +271,6 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RewardConfig:
-    custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
-    # raise | zero: a sample whose function raises, returns NaN/inf, runs past timeout_s or kills its
-    # process stops the run (naming it), or scores 0 and is counted in reward/num_errors
-    on_error: str = "raise"
-    # the reward function runs in this many Ray processes (rlflow/rewards/pool.py); 0: in the driver,
-    # one sample after the other, without timeout_s
-    num_workers: int = 2
-    # seconds a sample may run, from when its process begins it; then the process is killed and replaced
-    timeout_s: float = 30.0
-    # a sample's score: rule_weight * the reward function's + reward_model.weight * the reward
-    # model's (when reward_model.enable); rule_weight=0 with a reward model: the function is not called
-    rule_weight: float = 1.0
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-
-
-@dataclass
-class RewardModelConfig:
-    """A learned reward model (rlflow/rewards/model.py): a *ForSequenceClassification HF folder
-    with one label, its own tokenizer and chat template; its score of (prompt, response) is added
-    to each sample's score with `weight` (reward.rule_weight weights the reward function's)."""
-
-    enable: bool = False
-    path: str = ""
-    weight: float = 1.0
-    dp_size: int = 1
-    micro_batch_size: int = 32  # texts per forward
-    max_length: int = 1024  # tokens of a formatted (prompt, response); longer texts lose their start
-    dtype: str = "float32"
-
-
-@dataclass
-class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
-@dataclass
 class JudgeConfig:
     """A judge reward (rlflow/rewards/judge.py): an LLM asked for a verdict on each response, the
     verdict parsed to a score, added with `weight`; it runs in a reward pool of its own
@@ -328,6 +292,43 @@ class JudgeConfig:
     num_gpus: float = 0.0  # GPUs each judge process reserves (0: the judge runs on CPU)
 
 
+@dataclass
+class RewardConfig:
+    custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    # raise | zero: a sample whose function raises, returns NaN/inf, runs past timeout_s or kills its
+    # process stops the run (naming it), or scores 0 and is counted in reward/num_errors
+    on_error: str = "raise"
+    # the reward function runs in this many Ray processes (rlflow/rewards/pool.py); 0: in the driver,
+    # one sample after the other, without timeout_s
+    num_workers: int = 2
+    # seconds a sample may run, from when its process begins it; then the process is killed and replaced
+    timeout_s: float = 30.0
+    # a sample's score: rule_weight * the reward function's + reward_model.weight * the reward
+    # model's (when reward_model.enable); rule_weight=0 with a reward model: the function is not called
+    rule_weight: float = 1.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model (rlflow/rewards/model.py): a *ForSequenceClassification HF folder
+    with one label, its own tokenizer and chat template; its score of (prompt, response) is added
+    to each sample's score with `weight` (reward.rule_weight weights the reward function's)."""
+
+    enable: bool = False
+    path: str = ""
+    weight: float = 1.0
+    dp_size: int = 1
+    micro_batch_size: int = 32  # texts per forward
+    max_length: int = 1024  # tokens of a formatted (prompt, response); longer texts lose their start
+    dtype: str = "float32"
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
 
@@ -343,7 +344,6 @@ class RolloutCorrectionConfig:
     low: float = 0.5  # [low, high]: the *_mis modes' band (ratio outside -> weight 0) and the
     high: float = 2.0  # band of the rollout_corr/out_of_band_frac metric; low <= 1 <= high
 
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 @dataclass
 class FilterGroupsConfig:
@@ -763,6 +763,12 @@ NUMERIC_RANGES: dict[str, Range] = _expand_keys({
     "reward.rule_weight": at_least(0),
     "reward.overlong_buffer.len": at_least(1),  # and <= data.max_response_length: _check_dynamic_sampling
     "reward.overlong_buffer.penalty_factor": at_least(0),
+    "reward.judge.max_prompt_length": at_least(1),
+    "reward.judge.max_new_tokens": at_least(1),
+    "reward.judge.temperature": at_least(0, "0: greedy"),
+    "reward.judge.weight": at_least(0),
+    "reward.judge.num_workers": at_least(1),
+    "reward.judge.num_gpus": at_least(0, "0: the judge runs on CPU"),
     "reward_model.weight": at_least(0),
     "reward_model.dp_size": at_least(1),
     "reward_model.micro_batch_size": at_least(1),
@@ -806,12 +812,6 @@ NO_RANGE: dict[str, str] = {
 def _lookup(cfg: Any, key: str) -> Any:
     value = cfg
     for name in key.split("."):
-    "reward.judge.max_prompt_length": at_least(1),
-    "reward.judge.max_new_tokens": at_least(1),
-    "reward.judge.temperature": at_least(0, "0: greedy"),
-    "reward.judge.weight": at_least(0),
-    "reward.judge.num_workers": at_least(1),
-    "reward.judge.num_gpus": at_least(0, "0: the judge runs on CPU"),
         value = value[name] if isinstance(value, dict) else getattr(value, name)
     return value
 
@@ -1002,6 +1002,28 @@ def _check_reference(cfg: DictConfig) -> None:
 def _check_reward(cfg: DictConfig) -> None:
     reward = cfg.reward
     _need(reward.on_error in ("raise", "zero"), f"reward.on_error={reward.on_error!r} is not one of raise, zero")
+    _check_judge(cfg)
+
+
+def _check_judge(cfg: DictConfig) -> None:
+    """reward.judge's keys (its folder, template file and parser are checked before Ray starts:
+    rlflow.rewards.judge.check_judge)."""
+    judge = cfg.reward.judge
+    if not judge.enable:
+        return
+    _need(bool(judge.model_path), "reward.judge.enable=true needs reward.judge.model_path (a HF causal LM folder "
+                                  "of an instruct model, or an alias such as smollm2-135m)")
+    _need(judge.engine in ("auto", "hf", "vllm"), f"reward.judge.engine={judge.engine!r} is not one of auto, hf, vllm")
+    _need(judge.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+          "reward.judge.engine=vllm needs the vllm package (or reward.judge.engine=hf)")
+    _need(judge.dtype in ("float32", "bfloat16", "float16"),
+          f"reward.judge.dtype={judge.dtype!r} is not one of float32, bfloat16, float16")
+    _need(judge.template_file or not judge.template or "{response}" in judge.template,
+          "reward.judge.template has no {response} placeholder: the judge would never see the response")
+    _need(not cfg.rollout.agent.env, "rollout.agent.env: the environment rewards the episodes; reward.judge.enable "
+                                     "is not supported with it")
+
+
 
 
 def _check_rollout_correction(cfg: DictConfig) -> None:
@@ -1073,26 +1095,6 @@ def _check_dynamic_sampling(cfg: DictConfig) -> None:
         _need(not cfg.trainer.replay_rollouts, "algorithm.filter_groups generates until enough groups are kept: "
                                                "it cannot be used with trainer.replay_rollouts (replay the filtered "
                                                "recording without it)")
-    _check_judge(cfg)
-
-
-def _check_judge(cfg: DictConfig) -> None:
-    """reward.judge's keys (its folder, template file and parser are checked before Ray starts:
-    rlflow.rewards.judge.check_judge)."""
-    judge = cfg.reward.judge
-    if not judge.enable:
-        return
-    _need(bool(judge.model_path), "reward.judge.enable=true needs reward.judge.model_path (a HF causal LM folder "
-                                  "of an instruct model, or an alias such as smollm2-135m)")
-    _need(judge.engine in ("auto", "hf", "vllm"), f"reward.judge.engine={judge.engine!r} is not one of auto, hf, vllm")
-    _need(judge.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
-          "reward.judge.engine=vllm needs the vllm package (or reward.judge.engine=hf)")
-    _need(judge.dtype in ("float32", "bfloat16", "float16"),
-          f"reward.judge.dtype={judge.dtype!r} is not one of float32, bfloat16, float16")
-    _need(judge.template_file or not judge.template or "{response}" in judge.template,
-          "reward.judge.template has no {response} placeholder: the judge would never see the response")
-    _need(not cfg.rollout.agent.env, "rollout.agent.env: the environment rewards the episodes; reward.judge.enable "
-                                     "is not supported with it")
     if buffer.enable:
         _need(1 <= buffer.len <= cfg.data.max_response_length,
               f"reward.overlong_buffer.len must be in [1, data.max_response_length={cfg.data.max_response_length}], "
