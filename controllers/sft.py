@@ -4,7 +4,7 @@
 The same config, data formats, worker group, checkpoints, recovery and logging as an RL run; only
 the step differs. A row is a prompt (data.prompt_key: a string or chat messages, templated as for
 RL) and its target response (data.response_key: a column, or a dotted path into the row such as
-reward_model.ground_truth); the response's tokens, then EOS, are the response of a batch laid out
+reward_model.ground_truth; the synthetic tasks' rows carry one, rlflow/data/synthetic.py); the response's tokens, then EOS, are the response of a batch laid out
 as a rollout's (docs/CONVENTIONS.md), so every micro-batch layout of the actor (micro-batches,
 token budgets, packing, sequence and data parallelism) trains on it unchanged.
 
@@ -90,10 +90,8 @@ class SFTTrainer(PPOTrainer):
         """make_data's datasets, each item with its target response's token ids; the loader's
         batches laid out as a rollout's."""
         cfg = self.cfg
-        key = cfg.data.response_key
-        if key == "response" and self.train_rows is None and not cfg.data.train_files:
-            key = "reward_model.ground_truth"  # the synthetic task's rows answer with their ground truth
-        train, val, _ = make_data(cfg, self.tokenizer, self.train_rows, self.val_rows, target_key=key)
+        train, val, _ = make_data(cfg, self.tokenizer, self.train_rows, self.val_rows,
+                                  target_key=cfg.data.response_key)
         for dataset in (train, val):
             for item in dataset.items if dataset is not None else ():
                 item["response_ids"] = list(self.tokenizer(item["target"], add_special_tokens=False)["input_ids"])

@@ -20,7 +20,9 @@ def test_rows_verl_layout(task):
     assert len(rows) == 50
     alphabet = set(get_task(task).alphabet)
     for i, row in enumerate(rows):
-        assert set(row) == {"prompt", "data_source", "ability", "reward_model", "extra_info"}
+        assert set(row) == {"prompt", "data_source", "ability", "reward_model", "response", "extra_info"}
+        assert isinstance(row["response"], str) and row["response"].endswith(row["reward_model"]["ground_truth"]
+                                                                           + ("." if task == "word_problems" else ""))
         assert isinstance(row["prompt"], str) and row["prompt"]
         assert row["data_source"] == f"synthetic/{task}"
         assert isinstance(row["ability"], str)

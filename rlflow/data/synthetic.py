@@ -49,6 +49,9 @@ class SyntheticTask:
     #: (prompt, answer) -> a plausible wrong answer from a systematic mistake (a "weak
     #: demonstrator"); the SFT warm start mixes these into its targets (rlflow.tiny)
     distractor: Callable[[str, str], str] | None = None
+    #: (prompt, answer) -> the response a supervised target shows (a row's "response" column, what
+    #: `rlflow sft` trains on); None: the answer itself
+    solution: Callable[[str, str], str] | None = None
 
     def kwargs(self, **overrides) -> dict:
         unknown = set(overrides) - set(self.defaults)
@@ -188,6 +191,7 @@ register_task(
         name="word_problems",
         ability="arithmetic",
         generate=_word_problems.generate,
+        solution=_word_problems.worked_solution,
         defaults=dict(_word_problems.DEFAULTS),
         alphabet=_word_problems.ALPHABET,
         description="an English word problem (add / take away, several steps) -> the final count; "
@@ -239,7 +243,8 @@ def _seed_for(task: str, seed: int, split: str, kwargs: dict) -> int:
 def make_synthetic_rows(
     task: str, num_rows: int, seed: int, split: str = "train", **task_kwargs
 ) -> list[dict]:
-    """``num_rows`` rows of ``task`` for ``split`` ("train", "val" or "test") in verl's layout.
+    """``num_rows`` rows of ``task`` for ``split`` ("train", "val" or "test") in verl's layout, plus
+    ``response``: the target a supervised run trains on (the task's worked solution, or the answer).
 
     "val" and "test" draw from the same held-out problems (use different seeds for different
     sets); "train" never contains a held-out problem. Prompts are unique within the returned
@@ -274,6 +279,7 @@ def make_synthetic_rows(
                 "data_source": DATA_SOURCE_PREFIX + spec.name,
                 "ability": spec.ability,
                 "reward_model": {"style": "rule", "ground_truth": answer},
+                "response": spec.solution(prompt, answer) if spec.solution else answer,
                 "extra_info": {"index": len(rows), "split": split},
             }
         )

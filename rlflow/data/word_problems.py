@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import string
 
-__all__ = ["DEFAULTS", "ALPHABET", "generate", "solve_steps"]
+__all__ = ["DEFAULTS", "ALPHABET", "generate", "solve_steps", "worked_solution"]
 
 #: The recipe's difficulty (configs/smollm2_135m_word_problems.yaml): one or two steps, small
 #: numbers. The base SmolLM2-135M-Instruct answers about a fifth of them right (greedy, 64 tokens;
@@ -114,3 +114,24 @@ def generate(rng: random.Random, min_steps: int, max_steps: int, max_start: int,
         total = solve_steps(total, [(op, n)])
     sentences.append(rng.choice(_QUESTION).format(things=things, name=name))
     return " ".join(sentences), str(total)
+
+
+def worked_solution(prompt: str, answer: str) -> str:
+    """The problem worked step by step, ending in the answer (an SFT target, `rlflow sft`):
+    "7 + 5 = 12. 12 - 3 = 9. The answer is 9." Read back from the prompt's own sentences: the first
+    number is the start; each later sentence with a number is a step, an addition when it says
+    "more" (only additions do)."""
+    sentences = [s for s in prompt.replace("?", ".").split(".") if s.strip()]
+    numbers = [[int(w) for w in s.split() if w.isdigit()] for s in sentences]
+    total = numbers[0][0]
+    lines = []
+    for sentence, found in zip(sentences[1:], numbers[1:]):
+        if not found:
+            continue
+        n = found[0]
+        after = total + n if " more " in f" {sentence} " else total - n
+        lines.append(f"{total} {'+' if after > total else '-'} {n} = {after}.")
+        total = after
+    if str(total) != answer:
+        raise ValueError(f"worked_solution: the steps of {prompt!r} give {total}, not {answer}")
+    return " ".join(lines + [f"The answer is {answer}."])
