@@ -70,8 +70,8 @@ class DataConfig:
     synthetic_train_size: int = 4096
     synthetic_val_size: int = 128
     prompt_key: str = "prompt"
-    # SFT (rlflow sft): the target response, a column or a dotted path into the row; the synthetic
-    # task's rows answer with reward_model.ground_truth
+    # SFT (rlflow sft): the target response, a column or a dotted path into the row (the synthetic
+    # tasks' rows carry a "response")
     response_key: str = "response"
     max_prompt_length: int = 16
     max_response_length: int = 8
