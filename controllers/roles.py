@@ -79,7 +79,8 @@ class Role:
 
 def _actor_update_keys(cfg: RLFlowConfig, on_policy: bool) -> tuple[str, ...]:
     return (MODEL_INPUT_KEYS + ("advantages",) + (() if on_policy else ("old_log_probs",))
-            + (("ref_log_prob",) if cfg.actor.use_kl_loss else ()))
+            + (("ref_log_prob",) if cfg.actor.use_kl_loss else ())
+            + (("teacher_log_prob",) if cfg.actor.distill.coef > 0 else ()))
 
 
 def _rollout_enabled(cfg: RLFlowConfig) -> bool:
@@ -125,6 +126,30 @@ REFERENCE = Role(
     forward=Forward("compute_ref_log_prob", "ref_log_prob"),
 )
 
+def teacher_model_path(cfg: RLFlowConfig) -> str:
+    """teacher.model.path resolved on the driver: "tiny" is the embedded model's SFT warm start for
+    the task (cached), an alias of rlflow.models its converted folder, anything else a folder."""
+    path = cfg.teacher.model.path
+    if path == "tiny":
+        from rlflow.tiny import warm_start
+
+        return warm_start(cfg.data.synthetic_task)
+    from rlflow.models import MODEL_ALIASES, resolve_alias
+
+    return resolve_alias(path) if path in MODEL_ALIASES else path
+
+
+# on-policy distillation's teacher (actor.distill): the reference's forward on another model folder
+TEACHER = Role(
+    name="teacher",
+    worker="workers.teacher:TeacherWorker",
+    enabled=lambda cfg: bool(cfg.teacher.enable),
+    dp_size=lambda cfg: cfg.teacher.dp_size,
+    sp_size=lambda cfg: cfg.teacher.sp_size,
+    init=lambda ctx: ("init_model", (teacher_model_path(ctx.cfg),)),
+    forward=Forward("compute_teacher_log_prob", "teacher_log_prob"),
+)
+
 ROLLOUT = Role(
     name="rollout",
     worker="workers.rollout.worker:RolloutWorker",
@@ -142,7 +167,7 @@ REWARD_MODEL = Role(
     init=lambda ctx: ("init_model", (ctx.cfg.reward_model.path,)),
 )
 
-DEFAULT_ROLES = (ACTOR, ROLLOUT, CRITIC, REFERENCE, REWARD_MODEL)
+DEFAULT_ROLES = (ACTOR, ROLLOUT, CRITIC, REFERENCE, TEACHER, REWARD_MODEL)
 
 
 def resolve_roles(extra: list[Role] | tuple[Role, ...] | None = None,

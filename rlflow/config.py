@@ -107,6 +107,20 @@ class MixedPrecisionConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/CONVENTIONS.md, "On-policy distillation"): the actor's loss adds
+    coef * the per-token reverse KL(actor || teacher) on its own sampled tokens; needs teacher.enable."""
+
+    coef: float = 0.0  # 0: off
+    # the per-token estimator k of rlflow.algos.kl (as actor.kl_loss_type); k3's gradient is the
+    # per-token reverse KL's (log pi - log pi_teacher) grad log pi
+    kl_type: str = "low_var_kl"
+    # false: pure distillation, the policy loss is left out of the actor's loss (rewards are still
+    # scored and logged, the advantages computed, but nothing trains on them)
+    use_policy_loss: bool = True
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: ActorLoraConfig = field(default_factory=ActorLoraConfig)
@@ -150,6 +164,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    distill: DistillConfig = field(default_factory=DistillConfig)
     grad_clip: float = 1.0
     log_prob_micro_batch_size_per_gpu: int = 64
     # One on-policy optimizer step per rollout (ppo_epochs=1, one mini-batch, no KL in the reward):
@@ -191,6 +206,27 @@ class ReferenceConfig:
     log_prob_micro_batch_size_per_gpu: int = 64
     use_remove_padding: bool | None = None  # None -> the actor's
     sp_size: int | None = None  # None -> the actor's; the reference runs dp_size x sp_size processes
+
+
+@dataclass
+class TeacherModelConfig:
+    # a HF *ForCausalLM folder with the actor's tokenizer, "tiny" (the embedded model's SFT warm
+    # start) or an alias of rlflow.models (smollm2-135m); loaded in actor.model.dtype, computing
+    # with the actor's precision (as the reference)
+    path: str = ""
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (actor.distill): a frozen model whose forward gives
+    each sampled response token's log-prob (teacher_log_prob), run like the reference's."""
+
+    enable: bool = False
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    dp_size: int = 1  # ranks that split the teacher forward
+    log_prob_micro_batch_size_per_gpu: int = 64
+    use_remove_padding: bool | None = None  # None -> the actor's
+    sp_size: int | None = None  # None -> the actor's; the teacher runs dp_size x sp_size processes
 
 
 @dataclass
@@ -450,6 +486,7 @@ class RLFlowConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
@@ -584,6 +621,8 @@ def resolve_config(cfg: DictConfig) -> DictConfig:
     for name in ("use_remove_padding", "sp_size"):
         if cfg.reference[name] is None:
             cfg.reference[name] = actor[name]
+        if cfg.teacher[name] is None:
+            cfg.teacher[name] = actor[name]
     if not critic.model.path:
         critic.model.path = actor.model.path
     chosen = actor.mixed_precision.param_dtype
@@ -734,12 +773,16 @@ NUMERIC_RANGES: dict[str, Range] = _expand_keys({
     "actor.clip_ratio_c": above(1.0, "the dual clip of negative advantages"),
     "actor.entropy_coeff": at_least(0, "0: no entropy bonus"),
     "actor.kl_loss_coef": at_least(0),
+    "actor.distill.coef": at_least(0, "0: no distillation"),
     "actor.log_prob_micro_batch_size_per_gpu": at_least(1),
     "critic.cliprange_value": at_least(0),
     "critic.forward_micro_batch_size_per_gpu": at_least(1),
     "reference.dp_size": at_least(1),
     "reference.log_prob_micro_batch_size_per_gpu": at_least(1),
     "reference.sp_size": at_least(1, "1: no sequence parallelism"),
+    "teacher.dp_size": at_least(1),
+    "teacher.log_prob_micro_batch_size_per_gpu": at_least(1),
+    "teacher.sp_size": at_least(1, "1: no sequence parallelism"),
     # rollout
     "rollout.dp_size": at_least(1),
     "rollout.n": at_least(1),
@@ -864,6 +907,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_loss_terms(cfg)
     _check_rollout(cfg)
     _check_reference(cfg)
+    _check_distillation(cfg)
     _check_reward(cfg)
     _check_reward_model(cfg)
     _check_agent(cfg)
@@ -997,6 +1041,32 @@ def _check_reference(cfg: DictConfig) -> None:
     sequences_per_step = _sequences_per_step(cfg)
     _need(sequences_per_step % reference.dp_size == 0,
           f"reference.dp_size={reference.dp_size} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
+
+
+def _check_distillation(cfg: DictConfig) -> None:
+    """actor.distill and its teacher: each needs the other; the teacher's folder exists."""
+    from rlflow.models import MODEL_ALIASES  # a dict of names: nothing heavy
+
+    distill, teacher = cfg.actor.distill, cfg.teacher
+    _need(distill.use_policy_loss or distill.coef > 0,
+          "actor.distill.use_policy_loss=false leaves the actor no loss to train on: set actor.distill.coef > 0 "
+          "(pure distillation) or actor.distill.use_policy_loss=true")
+    if distill.coef > 0:
+        _need(bool(teacher.enable), f"actor.distill.coef={distill.coef} distils from a teacher: set teacher.enable=true "
+                                    "and teacher.model.path (or actor.distill.coef=0)")
+    if not teacher.enable:
+        return
+    path = teacher.model.path
+    _need(bool(path), "teacher.enable=true needs teacher.model.path (a HF *ForCausalLM folder with the actor's "
+                      f"tokenizer, 'tiny' or one of {', '.join(sorted(MODEL_ALIASES))})")
+    _need(path == "tiny" or path in MODEL_ALIASES or os.path.isdir(path),
+          f"teacher.model.path={path!r} is not a folder (a HF *ForCausalLM folder, 'tiny' or one of "
+          f"{', '.join(sorted(MODEL_ALIASES))})")
+    _need(distill.coef > 0, "teacher.enable=true but nothing reads the teacher's log-probs: set actor.distill.coef > 0 "
+                            "(or teacher.enable=false)")
+    sequences_per_step = _sequences_per_step(cfg)
+    _need(sequences_per_step % teacher.dp_size == 0,
+          f"teacher.dp_size={teacher.dp_size} must divide data.train_batch_size * rollout.n = {sequences_per_step}")
 
 
 def _check_reward(cfg: DictConfig) -> None:

@@ -299,6 +299,19 @@ def actor_batch(reference_lm):
     assert (seq_log_ratio < 10).all()  # GSPO's clamp of the sequence log-ratio at 10 never acts
     seq_advantage = (micro["advantages"].to(F64) * valid).sum(-1) / valid.sum(-1)
     assert (seq_advantage.abs() > KINK_MARGIN).all(), "a row's mean advantage (geo_mean's sign) is near 0"
+
+    # the teacher's log-probs (actor.distill), drawn from a generator of their own so the inputs
+    # above are unchanged: gaps of both signs, one token past k3's clamp; read only by the
+    # workers that distil
+    teacher_gen = torch.Generator().manual_seed(314)
+    teacher_gap = torch.randn(micro.batch_size[0], R, generator=teacher_gen, dtype=F64) * 0.5
+    teacher_gap[0, 2] = 3.1
+    teacher_gap = away_from(teacher_gap, (0.0, k3_kink), margin=10 * KINK_MARGIN)
+    micro["teacher_log_prob"] = torch.where(valid, (log_prob + teacher_gap).float(), junk.float())
+    eff_teacher_gap = micro["teacher_log_prob"].to(F64) - log_prob
+    assert min_distance(eff_teacher_gap, mask, (0.0,)) > KINK_MARGIN, "a teacher gap sits on |x|'s kink"
+    assert min_distance(k3_value(eff_teacher_gap), mask, (10.0,)) > KINK_MARGIN, "a k3 value sits on its clamp"
+    assert (k3_value(eff_teacher_gap)[valid] > 10).any() and (eff_teacher_gap[valid].abs() < 20).all()
     return micro
 
 
@@ -419,10 +432,13 @@ def kl_per_token(kl_type, log_prob, ref_log_prob):
 
 
 def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0, own_token_count=False,
-                   geo_clip=GEO_CLIP, cispo_eps=CISPO_EPS, sapo_tau=SAPO_TAU, is_weights=None):
+                   geo_clip=GEO_CLIP, cispo_eps=CISPO_EPS, sapo_tau=SAPO_TAU, is_weights=None, distill=None):
     """(loss, gradients by parameter name, metric values) from the float64 reference model.
     is_weights: the rollout correction's per-token weights, [B, R], which multiply the policy loss
-    only (the counts of the aggregation and the policy statistics stay those of every valid token)."""
+    only (the counts of the aggregation and the policy statistics stay those of every valid token).
+    distill: (coef, kl_type, with the policy loss) of actor.distill, or None."""
+    if distill is not None:
+        return expected_distilling_actor(model, micro, name, mode, kl_type, meta, distill)
     model.zero_grad(set_to_none=True)
     mask = micro["response_mask"]
     log_prob, entropy = reference_log_probs_and_entropy(model, micro)
@@ -456,9 +472,47 @@ def expected_actor(model, micro, name, mode, kl_type, meta, *, entropy_sign=1.0,
     return float(loss.detach()), grads, metrics, magnitude
 
 
+def expected_distilling_actor(model, micro, name, mode, kl_type, meta, distill):
+    """expected_actor with actor.distill's term: coef * agg(exp(log pi - old) * k(log pi, teacher)),
+    the ratio carrying the gradient (1 on-policy); without the policy loss and its statistics when
+    actor.distill.use_policy_loss is false."""
+    coef, distill_type, with_policy = distill
+    model.zero_grad(set_to_none=True)
+    mask = micro["response_mask"]
+    log_prob, entropy = reference_log_probs_and_entropy(model, micro)
+    old, advantages = micro["old_log_probs"].to(F64), micro["advantages"].to(F64)
+    ref, teacher = micro["ref_log_prob"].to(F64), micro["teacher_log_prob"].to(F64)
+
+    def agg(x):
+        return aggregate(x, mask, mode, meta)
+
+    pg_tokens, stats = policy_per_token(name, log_prob, old, advantages, mask)
+    pg_loss = agg(pg_tokens)
+    entropy_loss = agg(entropy)
+    kl_loss = agg(kl_per_token(kl_type, log_prob, ref))
+    distill_loss = agg(torch.exp(log_prob - old) * kl_per_token(distill_type, log_prob, teacher))
+    loss = (pg_loss if with_policy else 0.0) - ENTROPY_COEFF * entropy_loss + KL_COEF * kl_loss + coef * distill_loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    dp = meta.dp_size
+    metrics = {
+        "actor/entropy_loss": float(entropy_loss.detach()) / dp,
+        "actor/kl_loss": float(kl_loss.detach()) / dp,
+        "actor/distill_loss": float(distill_loss.detach()) / dp,
+        "actor/distill_reverse_kl": local_mean((log_prob - teacher).detach(), mask),
+        "actor/entropy": local_mean(entropy.detach(), mask),
+    }
+    if with_policy:
+        metrics["actor/pg_loss"] = float(pg_loss.detach()) / dp
+        metrics.update({f"actor/{k}": local_mean(v, mask) for k, v in stats.items()})
+    magnitude = float((pg_loss.detach().abs() if with_policy else 0.0) + ENTROPY_COEFF * entropy_loss.detach().abs()
+                      + KL_COEF * kl_loss.detach().abs() + coef * distill_loss.detach().abs())
+    return float(loss.detach()), grads, metrics, magnitude
+
+
 # ----------------------------------------------------------------------------------- comparison
 
-LOSS_METRICS = {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"}
+LOSS_METRICS = {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/distill_loss", "critic/vf_loss"}
 MAX_METRICS = {"rollout_corr/abs_diff_max"}  # the largest value over micro-batches and ranks
 
 
@@ -624,6 +678,53 @@ def test_the_actor_check_can_fail(tiny_model_dir, reference_lm, actor_batch):
         compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta, entropy_sign=-1.0))
     with pytest.raises(AssertionError):
         compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, "low_var_kl", meta, own_token_count=True))
+
+
+# ------------------------------------------------------------------------ on-policy distillation
+
+DISTILL_COEF = 0.6
+
+
+@pytest.mark.parametrize("distill_type", KL_PENALTY_MODES)
+def test_actor_distill_loss_matches_independent_float64(tiny_model_dir, reference_lm, actor_batch, distill_type):
+    """actor.distill's term (every estimator; the aggregation mode rotates) in the composed actor
+    loss, beside the policy loss, the entropy bonus and the KL loss: loss, gradients, metrics."""
+    from rlflow.config import DistillConfig
+
+    mode = LOSS_AGG_MODES[KL_PENALTY_MODES.index(distill_type) % len(LOSS_AGG_MODES)]
+    worker = actor_worker(tiny_model_dir, policy_loss="vanilla", loss_agg_mode=mode,
+                          distill=DistillConfig(coef=DISTILL_COEF, kl_type=distill_type))
+    check_same_weights(worker.model, reference_lm)
+    kl_type = worker.cfg.actor.kl_loss_type
+    for dp_size in (1, 2):
+        meta = meta_for(actor_batch, dp_size)
+        expected = expected_actor(reference_lm, actor_batch, "vanilla", mode, kl_type, meta,
+                                  distill=(DISTILL_COEF, distill_type, True))
+        compare(run_worker(worker, actor_batch, meta), expected)
+    # the teacher's log-probs matter: with the reference's in their place the comparison fails
+    swapped = actor_batch.clone()
+    swapped["teacher_log_prob"] = actor_batch["ref_log_prob"]
+    with pytest.raises(AssertionError):
+        compare(run_worker(worker, swapped, meta), expected)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_actor_pure_distill_matches_independent_float64(tiny_model_dir, reference_lm, actor_batch, mode, packed):
+    """actor.distill.use_policy_loss=false through load_config: no policy loss and none of its
+    metrics; the distillation term (k3, the default) with the entropy bonus and the KL loss, padded
+    and packed (actor.use_remove_padding)."""
+    cfg = to_dataclass(load_config(None, tiny_overrides(tiny_model_dir, **{
+        **BASE_OVERRIDES, "actor.loss_agg_mode": mode, "actor.use_remove_padding": packed,
+        "actor.distill.coef": DISTILL_COEF, "actor.distill.use_policy_loss": False,
+        "teacher.enable": True, "teacher.model.path": tiny_model_dir})))
+    worker = actor_worker(tiny_model_dir, cfg)
+    assert worker.layout.packs == packed
+    meta = meta_for(actor_batch, 2)
+    out = run_worker(worker, actor_batch, meta)
+    assert "actor/pg_loss" not in out[2]
+    compare(out, expected_actor(reference_lm, actor_batch, "vanilla", mode, cfg.actor.kl_loss_type, meta,
+                                distill=(DISTILL_COEF, "low_var_kl", False)))
 
 
 # --------------------------------------------------------------------------- rollout correction

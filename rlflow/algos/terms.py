@@ -77,13 +77,30 @@ def _section_term(name: str, section) -> LossTerm:
     return LossTerm(name, spec, options_from_section(spec.options, section, **_shared(section)))
 
 
+def distilling(actor) -> bool:
+    """Whether the actor's loss holds the distillation term (actor.distill.coef > 0)."""
+    distill = getattr(actor, "distill", None)
+    return distill is not None and distill.coef > 0
+
+
+def distill_term(actor) -> LossTerm:
+    """actor.distill's term: its coef and kl_type, the actor's loss_agg_mode / loss_scale_factor."""
+    spec = LOSS_TERMS["distill_loss"]
+    return LossTerm("distill_loss", spec, spec.options(coef=actor.distill.coef, kl_type=actor.distill.kl_type,
+                                                       **_shared(actor)))
+
+
 def actor_loss_terms(actor) -> list[LossTerm]:
-    terms = [policy_loss_term(actor)]
+    # actor.distill.use_policy_loss=false: pure distillation, the policy loss is not in the loss
+    pure_distillation = distilling(actor) and not actor.distill.use_policy_loss
+    terms = [] if pure_distillation else [policy_loss_term(actor)]
     # absent rather than multiplied by 0: no entropy backward and no entropy_loss metric
     if actor.entropy_coeff != 0:
         terms.append(_section_term("entropy_bonus", actor))
     if actor.use_kl_loss:
         terms.append(_section_term("kl_loss", actor))
+    if distilling(actor):
+        terms.append(distill_term(actor))
     return terms
 
 
