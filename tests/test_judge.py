@@ -160,3 +160,18 @@ def test_judge_fit_trains_on_the_weighted_rule_and_judge_scores(ray_session, tin
         assert batch["judge_scores"][i].item() == pytest.approx(judged)
         rule = batch["rule_scores"][i].item()
         assert batch["token_level_scores"][i].sum().item() == pytest.approx(0.5 * rule + 0.25 * judged, abs=1e-5)
+
+
+def test_judge_recipe_loads_with_the_alias_or_rlflow_judge_path(monkeypatch, tiny_model_dir):
+    """configs/smollm2_135m_word_problems_grpo_judge.yaml: the judge is $RLFLOW_JUDGE_PATH, else the
+    smollm2-135m alias (resolved only when a run starts); its template reaches the judge."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "smollm2_135m_word_problems_grpo_judge.yaml"
+    monkeypatch.delenv("RLFLOW_JUDGE_PATH", raising=False)
+    cfg = load_config(recipe)
+    assert cfg.reward.judge.enable and cfg.reward.judge.model_path == "smollm2-135m"
+    monkeypatch.setenv("RLFLOW_JUDGE_PATH", tiny_model_dir)
+    judge = check_judge(to_dataclass(load_config(recipe)))
+    assert judge.model_path == tiny_model_dir and judge.template.startswith("Question: {prompt}\n")
+    assert default_parser("Yes.") == 1.0 and default_parser("No, the student") == 0.0  # what it asks for
