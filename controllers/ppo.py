@@ -126,6 +126,7 @@ class PPOTrainer:
         self.active_roles = enabled_roles(self.roles, cfg)
         self.cores = core_share(cfg, self.active_roles, self.model_path)
         start_ray(cfg, self.active_roles)
+        self.score.start()  # the judge's processes load their model while the workers start
         self.start_workers()
 
     def start_workers(self) -> None:

@@ -97,6 +97,12 @@ class Scorer:
         extras["num_reward_errors"] = num_errors
         return token_scores, extras
 
+    def start(self) -> None:
+        """Starts the judge's processes (once Ray runs): they load the judge while the run's workers
+        start, instead of on the first batch. Their start-up errors are raised by that batch."""
+        if self.judge is not None:
+            self.judge.procs.fill()
+
     def close(self) -> None:
         """Stops the judge's processes (the next batch starts new ones)."""
         if self.judge is not None:

@@ -93,7 +93,8 @@ def test_judge_tiny_model_through_the_pool_parses_times_out_and_follows_on_error
 
     kwargs = dict(model_path=tiny_model_dir, engine="hf", max_prompt_length=256, max_new_tokens=6)
     local = JudgeReward(**kwargs).load_in_process()
-    pool = RewardPool(num_workers=1, timeout_s=1.0, on_error="zero", fn=ScriptedJudge(**kwargs), label="judge")
+    # two processes: the second judges on while the first hangs (and is replaced)
+    pool = RewardPool(num_workers=2, timeout_s=1.0, on_error="zero", fn=ScriptedJudge(**kwargs), label="judge")
     try:
         real = ["4", "five", "2 + 2 = 4"]
         responses = real + ["CANNED:Rating: [[7]]", "CANNED:yes", "CANNED:I cannot tell", "HANG", "4"]
@@ -111,7 +112,7 @@ def test_judge_tiny_model_through_the_pool_parses_times_out_and_follows_on_error
         assert pool.num_replaced == 1  # the hung process was killed and replaced
 
         pool.on_error = "raise"
-        with pytest.raises(RewardError, match=r"reward function failed on sample 1 .*JudgeVerdictError: the judge's "
+        with pytest.raises(RewardError, match=r"judge failed on sample 1 .*JudgeVerdictError: the judge's "
                                               r"verdict gave no score \(parser returned None\): 'unclear'"):
             pool.score_batch(["CANNED:[[2]]", "CANNED:unclear"], ["s"] * 2, ["4"] * 2, [{"prompt": "q"}] * 2)
         with pytest.raises(RewardError, match=r"judge did not return within reward.timeout_s=1 s"):
@@ -133,9 +134,9 @@ def test_judge_fit_trains_on_the_weighted_rule_and_judge_scores(ray_session, tin
 
     record = str(tmp_path / "rollouts")
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
-        "trainer.total_steps": 1, "algorithm.adv_estimator": "grpo", "reward.rule_weight": 0.5,
+        "trainer.total_steps": 1, "data.train_batch_size": 4, "algorithm.adv_estimator": "grpo", "reward.rule_weight": 0.5,
         "reward.judge.enable": True, "reward.judge.model_path": tiny_model_dir, "reward.judge.engine": "hf",
-        "reward.judge.max_new_tokens": 4, "reward.judge.weight": 0.25,
+        "reward.judge.max_new_tokens": 3, "reward.judge.weight": 0.25,
         "reward.judge.parser": f"{HELPERS}:verdict_length",
         "trainer.record_rollouts": record, "trainer.default_local_dir": str(tmp_path)}))
     rows = make_synthetic_rows(cfg.data.synthetic_task, 16, 0, split="train")

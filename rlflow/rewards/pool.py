@@ -161,6 +161,8 @@ class _Batch(Request):
         self.timed = [0.0, 0]  # seconds and samples of whole chunks
 
     def record(self, index: int, outcome: Outcome) -> None:
+        if self.pool.label != "reward function" and outcome.what.startswith("reward function"):
+            outcome.what = self.pool.label + outcome.what[len("reward function"):]  # "judge failed on sample 3 ..."
         self.outcomes[index] = outcome
         if self.pool.stops(outcome):
             self.stop_at = min(self.stop_at, index)
@@ -238,7 +240,7 @@ class RewardPool(RewardManager, ProcessPoolOwner):
     pickled to them (it replaces ``path``; one with a ``load_in_process()`` method is loaded by it in
     each process, e.g. the judge's model); each sample may run ``timeout_s`` seconds.
     ``actor_options``: ray.remote options of the processes (num_gpus); ``label`` names the function
-    in a timeout's error.
+    in the samples' errors ("judge failed on sample 3 ...").
 
     The processes start on the first batch (Ray must be running); ``close()`` kills them. Not
     thread-safe: one batch at a time."""
@@ -248,7 +250,7 @@ class RewardPool(RewardManager, ProcessPoolOwner):
                  max_logged_errors: int = 5, fn=None, actor_options: dict | None = None,
                  label: str = "reward function"):
         super().__init__(None, on_error, max_logged_errors)
-        self.label = label  # what a timeout names: "reward function", "judge"
+        self.label = label  # what the samples' errors name: "reward function", "judge"
         self.fn_bytes = None if fn is None else pickle_reward_fn(fn)
         self.fn_name = None if fn is None else getattr(fn, "__qualname__", repr(fn))
         self.path = os.path.abspath(os.fspath(path)) if path else None
