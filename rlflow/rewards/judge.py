@@ -149,6 +149,7 @@ class JudgeReward:
     temperature: float = 0.0
     dtype: str = "float32"
     seed: int = 0
+    device: str | None = None  # the hf engine's: "cpu", or None (cuda where the process sees one)
 
     def load_in_process(self) -> "JudgeReward":
         """Loads the tokenizer, the engine and the parser (in the pool process, once)."""
@@ -175,6 +176,8 @@ class JudgeReward:
         kwargs = dict(max_prompt_length=self._prompt_tokens, max_response_length=self.max_new_tokens,
                       temperature=max(self.temperature, 1e-5), dtype=self.dtype, seed=self.seed,
                       pad_token_id=pad, eos_token_id=eos)
+        if name == "hf":
+            kwargs["device"] = self.device
         if name == "vllm":
             kwargs["engine_in_process"] = True  # the pool process is the engine's own
             if not torch.cuda.is_available():
@@ -256,7 +259,8 @@ def check_judge(cfg) -> JudgeReward:
         raise ConfigError(f"reward.judge.template{'_file' if section.template_file else ''} has no {{response}} "
                           "placeholder: the judge would never see the response")
     return JudgeReward(path, section.engine, template, section.parser, section.max_prompt_length,
-                       section.max_new_tokens, section.temperature, section.dtype, cfg.trainer.seed)
+                       section.max_new_tokens, section.temperature, section.dtype, cfg.trainer.seed,
+                       device=None if section.num_gpus else "cpu")
 
 
 def make_judge_pool(cfg, judge: JudgeReward | None = None):
