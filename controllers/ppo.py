@@ -47,7 +47,7 @@ from rlflow.protocol import (MICRO_PLAN_KEY, attach_meta, compute_batch_meta, gr
 # what the console prints each step (every metric goes to the other trackers)
 CONSOLE_KEYS = (
     "reward/score_mean", "reward/acc_mean", "val/acc_mean", "val/score_mean", "val/nll_mean", "actor/pg_loss", "critic/vf_loss",
-    "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "response/length_mean", "rollout/num_gen_batches", "timing/gen",
+    "actor/ppo_kl", "actor/kl_loss", "actor/distill_reverse_kl", "actor/entropy", "response/length_mean", "rollout/num_gen_batches", "timing/gen",
     "timing/update", "timing/step",
 )
 # what the step keeps of the rollout's batch (the estimator's declared inputs are added to it)
