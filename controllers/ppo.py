@@ -53,7 +53,7 @@ CONSOLE_KEYS = (
 # what the step keeps of the rollout's batch (the estimator's declared inputs are added to it)
 STEP_KEYS = MODEL_INPUT_KEYS + ("group_index", "token_level_scores")
 OPTIONAL_STEP_KEYS = ("acc", "reward_baselines", "rollout_log_probs", "rule_scores", "rm_scores", "judge_scores",
-                      "overlong_penalty")
+                      "judge_errors", "overlong_penalty")
 
 
 class Timer:
@@ -529,7 +529,7 @@ class PPOTrainer:
         if "acc" in batch.keys():
             metrics["reward/acc_mean"] = batch["acc"].mean().item()
         for key, name in (("rule_scores", "reward/rule_score_mean"), ("rm_scores", "reward/rm_score_mean"),
-                          ("judge_scores", "reward/judge_score_mean"),
+                          ("judge_scores", "reward/judge_score_mean"), ("judge_errors", "reward/judge_error_frac"),
                           ("overlong_penalty", "reward/overlong_penalty_mean")):
             if key in batch.keys():
                 metrics[name] = batch[key].mean().item()

@@ -21,6 +21,7 @@ ahead (trainer.max_staleness) so they are generated while the driver trains on t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -83,8 +84,12 @@ class Scorer:
         if self.judge is not None:  # its own pool: reward.timeout_s and reward.on_error per verdict
             items = judge_items([source["prompt"] for source in rows["source_prompt"]], texts, rows["ground_truth"],
                                 rows["data_source"], rows["extra_info"])
-            judged, _, judge_errors = self.judge.assemble(self.judge.outcomes(items), rows["data_source"])
+            outcomes = self.judge.outcomes(items)
+            judged, _, judge_errors = self.judge.assemble(outcomes, rows["data_source"])
             extras["judge_score"] = judged
+            # 1 where on_error=zero scored the verdict 0 (unparsable, raised, hung, died): reward/judge_error_frac
+            extras["judge_error"] = [0.0 if outcome.kind == "ok" and math.isfinite(outcome.score) else 1.0
+                                     for outcome in outcomes]
             num_errors += judge_errors
             scores = [score + self.judge_weight * verdict for score, verdict in zip(scores, judged, strict=True)]
         if pending is not None:
@@ -111,9 +116,9 @@ class Scorer:
 
 def attach_scores(cfg, batch: TensorDict, scores: torch.Tensor, extras: dict) -> None:
     """A scored rollout's keys: token_level_scores (with DAPO's overlong penalty), and acc,
-    rule_scores, rm_scores where the reward reported them (popped from extras)."""
+    rule_scores, rm_scores, judge_scores, judge_errors where the reward reported them (popped from extras)."""
     for key, batch_key in (("acc", "acc"), ("rule_score", "rule_scores"), ("rm_score", "rm_scores"),
-                           ("judge_score", "judge_scores")):
+                           ("judge_score", "judge_scores"), ("judge_error", "judge_errors")):
         if key in extras:
             batch[batch_key] = torch.tensor(extras.pop(key), dtype=torch.float32)
     buffer = cfg.reward.overlong_buffer

@@ -111,6 +111,10 @@ def test_judge_tiny_model_through_the_pool_parses_times_out_and_follows_on_error
         assert num_errors == errors + 2  # the unparsable verdict and the hang
         assert pool.num_replaced == 1  # the hung process was killed and replaced
 
+        # the Scorer: rule_weight * rule + judge_weight * judge on each response's last token, the
+        # judge's errors counted with the rule's and flagged per sample (reward/judge_error_frac)
+        _check_the_scorer(pool, tiny_model_dir)
+
         pool.on_error = "raise"
         with pytest.raises(RewardError, match=r"judge failed on sample 1 .*JudgeVerdictError: the judge's "
                                               r"verdict gave no score \(parser returned None\): 'unclear'"):
@@ -120,6 +124,39 @@ def test_judge_tiny_model_through_the_pool_parses_times_out_and_follows_on_error
     finally:
         pool.close()
     assert math.isfinite(sum(scores))
+
+
+def _check_the_scorer(pool, tiny_model_dir):
+    from types import SimpleNamespace
+
+    import torch
+    from tensordict import TensorDict
+
+    from controllers.rollout_source import Scorer, attach_scores
+    from controllers.setup import load_tokenizer
+    from rlflow.rewards import RewardManager
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    texts = ["CANNED:Rating: [[7]]", "CANNED:yes", "CANNED:unclear"]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    width = max(map(len, ids)) + 2
+    responses = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])
+    rows = {"data_source": ["s"] * 3, "ground_truth": ["4"] * 3, "extra_info": [None] * 3,
+            "source_prompt": [{"prompt": "What is 2+2?"}] * 3}
+    rule = RewardManager(lambda ds, text, truth, extra=None: float(len(text)), on_error="zero")
+    scorer = Scorer(tokenizer, rule, rule_weight=0.5, judge=pool, judge_weight=0.25)
+    token_scores, extras = scorer(TensorDict({"responses": responses, "response_mask": mask}, batch_size=[3]), rows)
+    last = [len(row) - 1 for row in ids]
+    assert [token_scores[i, last[i]].item() for i in range(3)] == [0.5 * len(t) + 0.25 * j for t, j in
+                                                                   zip(texts, [7.0, 1.0, 0.0])]
+    assert token_scores.sum().item() == pytest.approx(sum(0.5 * len(t) for t in texts) + 0.25 * 8.0)
+    assert extras["judge_score"] == [7.0, 1.0, 0.0] and extras["judge_error"] == [0.0, 0.0, 1.0]
+    assert extras["rule_score"] == [float(len(t)) for t in texts] and extras["num_reward_errors"] == 1
+    batch = TensorDict({"response_mask": mask}, batch_size=[3])
+    attach_scores(SimpleNamespace(reward=SimpleNamespace(overlong_buffer=SimpleNamespace(enable=False))), batch,
+                  token_scores, extras)
+    assert batch["judge_errors"].tolist() == [0.0, 0.0, 1.0] and batch["judge_scores"].tolist() == [7.0, 1.0, 0.0]
 
 
 @pytest.mark.timeout(300)
@@ -143,6 +180,7 @@ def test_judge_fit_trains_on_the_weighted_rule_and_judge_scores(ray_session, tin
     history = RLFlow(cfg, train_dataset=rows).fit()
     step = [h for h in history if "actor/pg_loss" in h]
     assert len(step) == 1 and step[0]["reward/judge_score_mean"] > 0 and "reward/num_errors" not in step[0]
+    assert step[0]["reward/judge_error_frac"] == 0
 
     judge = check_judge(to_dataclass(cfg)).load_in_process()
     tokenizer = load_tokenizer(tiny_model_dir)
