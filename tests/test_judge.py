@@ -171,7 +171,8 @@ def test_judge_fit_trains_on_the_weighted_rule_and_judge_scores(ray_session, tin
 
     record = str(tmp_path / "rollouts")
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
-        "trainer.total_steps": 1, "data.train_batch_size": 4, "algorithm.adv_estimator": "grpo", "reward.rule_weight": 0.5,
+        "trainer.total_steps": 1, "data.train_batch_size": 4, "algorithm.adv_estimator": "grpo",
+        "reward.rule_weight": 0.5,
         "reward.judge.enable": True, "reward.judge.model_path": tiny_model_dir, "reward.judge.engine": "hf",
         "reward.judge.max_new_tokens": 3, "reward.judge.weight": 0.25,
         "reward.judge.parser": f"{HELPERS}:verdict_length",

@@ -107,7 +107,8 @@ def load_parser(spec: str, key: str = "reward.judge.parser"):
 def fill_template(template: str, prompt: str, response: str, ground_truth) -> str:
     """The template with its placeholders replaced (plain replacement: other braces stay as they
     are, e.g. a JSON example). A missing ground truth reads "(none)"."""
-    truth = "(none)" if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth) else str(ground_truth)
+    missing = ground_truth is None or (isinstance(ground_truth, str) and not ground_truth)
+    truth = "(none)" if missing else str(ground_truth)
     values = {"{prompt}": prompt, "{response}": response, "{ground_truth}": truth}
     # one pass, so a response that contains "{prompt}" is not itself replaced
     return re.sub("|".join(re.escape(p) for p in PLACEHOLDERS), lambda m: values[m.group(0)], template)
