@@ -338,6 +338,7 @@ _TIMED_METHODS = {
     "actor": ("compute_log_prob", "update", "get_weights", "publish_weights", "send_weights"),
     "critic": ("compute_values", "update"),
     "reference": ("compute_ref_log_prob",),
+    "teacher": ("compute_teacher_log_prob",),
     "rollout": ("generate", "load_weights", "load_shared_weights", "receive_weights"),
     "reward_model": ("score_texts",),
 }
