@@ -1094,8 +1094,6 @@ def _check_judge(cfg: DictConfig) -> None:
                                      "is not supported with it")
 
 
-
-
 def _check_rollout_correction(cfg: DictConfig) -> None:
     section = cfg.algorithm.rollout_correction
     try:
