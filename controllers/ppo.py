@@ -133,6 +133,19 @@ class PPOTrainer:
         """The worker groups with their models, and what the driver wires to them (the agent loop,
         the reward model, the weight sync, the rollout source); again after a lost worker."""
         cfg = self.cfg
+        self.start_groups()
+        if self.env_pool is None:  # its processes replace themselves; a restart keeps it
+            self.env_pool = start_env_pool(cfg, self.groups)
+        self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer)
+        connect_reward_model(self.score, self.groups)
+        self.weight_sync = choose_weight_sync(cfg.rollout, self.groups)
+        self.rollouts = make_rollouts(cfg, self.replay, self.loader, self.groups, self.score,
+                                      lambda: self.weight_version, self.tokenizer, self.agent)
+
+    def start_groups(self) -> None:
+        """Every active role's worker group (the processes a completed run parked for this layout,
+        or new ones) with its model loaded."""
+        cfg = self.cfg
         self.layout_key = layout_key(cfg, self.active_roles)
         parked = IDLE_WORKERS.claim(self.layout_key)  # the last run's processes, if its layout was this one
         if parked is None:
@@ -145,13 +158,6 @@ class PPOTrainer:
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
         init_models(self.active_roles, self.groups, context)
-        if self.env_pool is None:  # its processes replace themselves; a restart keeps it
-            self.env_pool = start_env_pool(cfg, self.groups)
-        self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer)
-        connect_reward_model(self.score, self.groups)
-        self.weight_sync = choose_weight_sync(cfg.rollout, self.groups)
-        self.rollouts = make_rollouts(cfg, self.replay, self.loader, self.groups, self.score,
-                                      lambda: self.weight_version, self.tokenizer, self.agent)
 
     def stop_worker_groups(self) -> None:
         """Stops every worker group (a lost worker's peers too: they may be stuck in a collective)."""

@@ -18,17 +18,13 @@ transformers (tests/test_sft.py's negative control). Log-probs are at temperatur
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from controllers.ppo import PPOTrainer, Timer
-from controllers.roles import RunContext
-from controllers.setup import (core_share, init_models, layout_key, load_tokenizer, make_data, place_roles,
-                               reinit_worker_groups, resolve_model_path, start_ray, start_worker_groups)
-from controllers.worker_group import IDLE_WORKERS
+from controllers.setup import core_share, load_tokenizer, make_data, resolve_model_path, start_ray
 from rlflow.config import ConfigError, RLFlowConfig, load_config, to_dataclass
 from rlflow.data.dataset import StatefulDataLoader, collate
 from rlflow.metrics import mean_over_minibatches, reduce_metrics
@@ -108,19 +104,7 @@ class SFTTrainer(PPOTrainer):
         return batch
 
     def start_workers(self) -> None:
-        cfg = self.cfg
-        self.layout_key = layout_key(cfg, self.active_roles)
-        parked = IDLE_WORKERS.claim(self.layout_key)
-        if parked is None:
-            placement = place_roles(cfg, self.active_roles)
-            self.pools = placement.pools
-            start_worker_groups(cfg, self.active_roles, placement, self.groups, self.cores)
-        else:
-            self.pools = parked[0]
-            reinit_worker_groups(cfg, self.active_roles, parked[1], self.groups, self.cores)
-        context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
-                             self.tokenizer.eos_token_id)
-        init_models(self.active_roles, self.groups, context)
+        self.start_groups()  # the actor alone: nothing of a rollout to wire
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -190,5 +174,4 @@ class SFT:
                                   val_dataset=val_dataset)
 
     def fit(self) -> list[dict]:
-        with warnings.catch_warnings():
-            return self.trainer.fit()
+        return self.trainer.fit()
