@@ -127,16 +127,10 @@ REFERENCE = Role(
 )
 
 def teacher_model_path(cfg: RLFlowConfig) -> str:
-    """teacher.model.path resolved on the driver: "tiny" is the embedded model's SFT warm start for
-    the task (cached), an alias of rlflow.models its converted folder, anything else a folder."""
-    path = cfg.teacher.model.path
-    if path == "tiny":
-        from rlflow.tiny import warm_start
+    """teacher.model.path resolved on the driver as actor.model.path is ("tiny", an alias, a folder)."""
+    from rlflow.models import resolve_model_name
 
-        return warm_start(cfg.data.synthetic_task)
-    from rlflow.models import MODEL_ALIASES, resolve_alias
-
-    return resolve_alias(path) if path in MODEL_ALIASES else path
+    return resolve_model_name(cfg.teacher.model.path, cfg.data.synthetic_task)
 
 
 # on-policy distillation's teacher (actor.distill): the reference's forward on another model folder

@@ -31,12 +31,11 @@ from rlflow.algos import get_kl_controller
 from rlflow.config import RLFlowConfig
 from rlflow.data.dataset import PromptDataset, StatefulDataLoader, rows_from
 from rlflow.data.synthetic import make_synthetic_rows
-from rlflow.models import MODEL_ALIASES, resolve_alias
+from rlflow.models import MODEL_ALIASES, resolve_model_name
 from rlflow.rewards import RewardManager, compute_score, load_custom_reward_fn
 from rlflow.rewards.judge import make_judge_pool
 from rlflow.rewards.model import RewardModelClient, check_reward_model_folder
 from rlflow.rewards.pool import RewardPool, pickle_reward_fn
-from rlflow.tiny import warm_start
 from workers.base import fixed_worker_threads
 
 # what the workers inherit of the driver's environment (besides OMP_WAIT_POLICY: worker_env)
@@ -49,10 +48,8 @@ def resolve_model_path(cfg: RLFlowConfig) -> str:
     """"tiny" means the embedded model, built and warm-started locally (cached); an alias of
     rlflow.models.MODEL_ALIASES (e.g. "smollm2-135m") a packaged model converted once into the cache."""
     path = cfg.actor.model.path
-    if path == "tiny":
-        return warm_start(cfg.data.synthetic_task)
-    if path in MODEL_ALIASES:
-        return resolve_alias(path)
+    if path == "tiny" or path in MODEL_ALIASES:
+        return resolve_model_name(path, cfg.data.synthetic_task)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"actor.model.path={path!r} is not a folder (a local HF model folder, 'tiny', "
                                 f"or one of {', '.join(sorted(MODEL_ALIASES))})")
