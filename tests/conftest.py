@@ -55,3 +55,33 @@ def tiny_overrides(model_dir: str, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def restore_process_state():
+    """For tests that build workers in this process: WorkerBase.__init__ sets torch's thread count,
+    seeds every RNG, quiets transformers and registers Ray's tensor serializer (workers/wire.py) for
+    the whole process; put all of it back for the tests that run after the module."""
+    import random
+
+    import numpy as np
+    import torch
+    from ray import cloudpickle
+    from transformers.utils import logging as hf_logging
+
+    threads = torch.get_num_threads()
+    torch_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    tensor_reducer = cloudpickle.CloudPickler.dispatch.get(torch.Tensor)
+    yield
+    if tensor_reducer is None:
+        cloudpickle.CloudPickler.dispatch.pop(torch.Tensor, None)
+    else:
+        cloudpickle.CloudPickler.dispatch[torch.Tensor] = tensor_reducer
+    torch.set_num_threads(threads)
+    torch.set_rng_state(torch_rng)
+    random.setstate(py_rng)
+    np.random.set_state(np_rng)
+    hf_logging.set_verbosity(verbosity)
+    if progress:
+        hf_logging.enable_progress_bar()

@@ -6,13 +6,11 @@ the float64 formulas in the composed actor loss: tests/test_loss_composition.py.
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from conftest import tiny_overrides
 from controllers.ppo import PPOTrainer
@@ -136,31 +134,6 @@ def test_distill_config_enables_the_teacher_role_and_sends_its_log_probs():
 
 
 @pytest.fixture(scope="module")
-def _restore_process_state():
-    """WorkerBase.__init__ sets torch's thread count, seeds every RNG, quiets transformers and
-    registers Ray's tensor serializer for the whole process: put it back for later tests."""
-    import numpy as np
-    from ray import cloudpickle
-
-    threads = torch.get_num_threads()
-    torch_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    tensor_reducer = cloudpickle.CloudPickler.dispatch.get(torch.Tensor)
-    yield
-    if tensor_reducer is None:
-        cloudpickle.CloudPickler.dispatch.pop(torch.Tensor, None)
-    else:
-        cloudpickle.CloudPickler.dispatch[torch.Tensor] = tensor_reducer
-    torch.set_num_threads(threads)
-    torch.set_rng_state(torch_rng)
-    random.setstate(py_rng)
-    np.random.set_state(np_rng)
-    hf_logging.set_verbosity(verbosity)
-    if progress:
-        hf_logging.enable_progress_bar()
-
-
-@pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     """Another tiny model with the same tokenizer (a different initialisation): far from the
     student, so the reverse KL is clearly above 0."""
@@ -206,7 +179,7 @@ def exact_reverse_kl(student, teacher, batch: TensorDict) -> float:
 
 
 def test_distill_teacher_log_probs_reach_the_loss_and_one_step_lowers_the_reverse_kl(
-        _restore_process_state, tiny_model_dir, teacher_dir):
+        restore_process_state, tiny_model_dir, teacher_dir):
     """The teacher worker's forward is the teacher's log-prob of each sampled token (its own model
     folder, not the student's); the actor's loss reads it (distill_reverse_kl is the mean of
     log pi - log pi_teacher); one SGD step on the pure distillation loss over the student's own

@@ -29,13 +29,11 @@ import copy
 import dataclasses
 import functools
 import math
-import random
 
 import pytest
 import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
-from transformers.utils import logging as hf_logging
 
 from conftest import tiny_overrides
 from rlflow.algos import KL_PENALTY_MODES, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
@@ -81,31 +79,8 @@ CLIPRANGE_VALUE = 0.3
 
 # ------------------------------------------------------------------------------------- fixtures
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_process_state():
-    """WorkerBase.__init__ sets torch's thread count, seeds every RNG, quiets transformers and
-    registers Ray's tensor serializer (workers/wire.py) for the whole process: put all of it back
-    for the tests that run after this module."""
-    import numpy as np
-    from ray import cloudpickle
-
-    threads = torch.get_num_threads()
-    torch_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    tensor_reducer = cloudpickle.CloudPickler.dispatch.get(torch.Tensor)
-    yield
-    if tensor_reducer is None:
-        cloudpickle.CloudPickler.dispatch.pop(torch.Tensor, None)
-    else:
-        cloudpickle.CloudPickler.dispatch[torch.Tensor] = tensor_reducer
-    torch.set_num_threads(threads)
-    torch.set_rng_state(torch_rng)
-    random.setstate(py_rng)
-    np.random.set_state(np_rng)
-    hf_logging.set_verbosity(verbosity)
-    if progress:
-        hf_logging.enable_progress_bar()
+# in-process workers change process-wide state: tests/conftest.py puts it back after the module
+pytestmark = pytest.mark.usefixtures("restore_process_state")
 
 
 @pytest.fixture(scope="module")
