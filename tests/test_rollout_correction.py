@@ -30,9 +30,10 @@ from rlflow.algos import (
 from rlflow.config import ConfigError, to_dataclass
 from rlflow.metrics import Aggregation, reduce_metrics
 from rlflow.protocol import BatchMeta
+
 # the in-process actor (WorkerBase) sets threads, seeds and Ray's tensor serializer for the whole
-# process: the composition tests' fixture puts them back after this module
-from test_loss_composition import _restore_process_state  # noqa: F401
+# process: tests/conftest.py's fixture puts them back after this module
+pytestmark = pytest.mark.usefixtures("restore_process_state")
 
 F64 = torch.float64
 E = math.exp
