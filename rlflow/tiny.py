@@ -45,6 +45,7 @@ __all__ = [
     "CODE_VERSION",
     "EOS_TOKEN",
     "PAD_TOKEN",
+    "CHAT_TEMPLATE",
     "MODEL_DEFAULTS",
     "SFT_DEFAULTS",
     "build_tokenizer",
@@ -64,6 +65,29 @@ CODE_VERSION = "1"
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+
+#: The tiny tokenizer's chat template: a conversation laid out exactly as the agent loop lays out a
+#: trajectory, with no role markers (the tokenizer has no special tokens for them, and adding some
+#: would change the vocabulary and so the model). A user or tool message is its content as it is; an
+#: assistant message is its content followed by EOS (a model turn ends with EOS); a system message is
+#: its content and a newline. The generation prompt is empty. So a prompt of one user message renders
+#: to the same text, and the same token ids, as the plain-string prompt the warm start trains on:
+#: chat rows of a synthetic task reach the warm-started model as it was trained. Content given as a
+#: list of parts (OpenAI's [{"type": "text", "text": ...}]) renders its text parts in order.
+CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ text(message['content']) }}{{ '\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ text(message['content']) }}{{ eos_token }}"
+    "{%- else -%}{{ text(message['content']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
 
 # Qwen2's pre-tokenizer regex (digits are split one by one, so no merge ever joins two digits).
 _QWEN2_SPLIT = (
@@ -153,7 +177,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 300):
 
     Returns the ``PreTrainedTokenizerFast``. ``eos_token`` = ``<|endoftext|>`` (id 0) and
     ``pad_token`` = ``<|pad|>`` (id 1) are distinct; there is no bos (like Qwen2). All 256 bytes are
-    in the vocabulary, so any text round-trips.
+    in the vocabulary, so any text round-trips. Its chat template is CHAT_TEMPLATE.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -185,6 +209,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 300):
         clean_up_tokenization_spaces=False,
         model_max_length=MODEL_DEFAULTS["max_position_embeddings"],
     )
+    hf.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out))
@@ -452,6 +477,22 @@ def _cache_key(task: str, task_kwargs: dict, model_kwargs: dict, sft: dict) -> s
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _ensure_chat_template(folder: Path) -> None:
+    """Give a cached warm start the current CHAT_TEMPLATE. Entries built before the tiny tokenizer
+    had a template lack it; the template changes no weight and no token id of a plain-string prompt,
+    so the entry is upgraded in place (one file, written beside and renamed: atomic for concurrent
+    readers) rather than keyed anew and retrained."""
+    path = folder / "chat_template.jinja"
+    try:
+        if path.is_file() and path.read_text(encoding="utf-8") == CHAT_TEMPLATE:
+            return
+        tmp = folder / f".chat_template.jinja.{os.getpid()}.tmp"
+        tmp.write_text(CHAT_TEMPLATE, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only cache: chat rows then fail naming the missing template
+        print(f"[rlflow] warm start {folder}: cannot add the chat template ({err})", file=sys.stderr)
+
+
 def warm_start(
     task: str | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -484,6 +525,7 @@ def warm_start(
     root = cache_root(cache_dir) / "warm"
     final = root / f"{task}-{_cache_key(task, tkw, mkw, sft)}"
     if (final / "config.json").is_file():
+        _ensure_chat_template(final)
         return str(final)
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None

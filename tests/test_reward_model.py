@@ -57,7 +57,7 @@ def test_format_uses_the_reward_models_own_chat_template(reference, tiny_model_d
             == "[system]: reverse\n[user]: 123=\n[assistant]: 321\n[score]")
     # without a template of its own: the prompt text, then the response
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert not plain.chat_template
+    plain.chat_template = None  # (the tiny tokenizer ships one: rlflow.tiny.CHAT_TEMPLATE)
     assert format_for_reward_model(plain, "123=", "321") == "123=321"
     assert format_for_reward_model(plain, messages, "321") == "reverse\n123=321"
     # the template's text is byte-level BPE: it round-trips, nothing becomes unknown
