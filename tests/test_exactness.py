@@ -76,6 +76,12 @@ FAMILIES = {
 FAMILIES["M1"] = {**FAMILIES["S1"], "data.max_response_length": 16, "rollout.agent.max_turns": 3,
                   "rollout.agent.num_workers": 0,
                   "rollout.agent.env": os.path.join(os.path.dirname(__file__), "agent_loop_envs.py") + ":CountingEnv"}
+# the objectives beyond PPO's clip, each on S1's SGD setting: CISPO's clipped IS weight, SAPO's soft
+# gate, and on-policy distillation's reverse KL to a teacher (a second random tiny model) added to
+# the policy loss; each family's extra terms are required metrics (exactness_helpers.required_metrics)
+FAMILIES["C1"] = {**FAMILIES["S1"], "actor.policy_loss": "cispo"}
+FAMILIES["P1"] = {**FAMILIES["S1"], "actor.policy_loss": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean"}
+FAMILIES["D1"] = {**FAMILIES["S1"], "actor.distill.coef": 0.5, "teacher.enable": True}
 WHOLE = {"actor.ppo_micro_batch_size_per_gpu": MINI}  # one micro-batch = the whole per-rank shard
 LAYOUTS = {
     "whole": WHOLE,
@@ -138,6 +144,12 @@ FITS = {
     "genM": ("M1", "whole", {"record": True}),
     "M1/whole": ("M1", "whole", {"replay": "genM"}),
     "M1/dp2-mb2": ("M1", "dp2-mb2", {"replay": "genM"}),
+    "C1/whole": ("C1", "whole", {}),
+    "C1/dp2-mb2": ("C1", "dp2-mb2", {}),
+    "P1/whole": ("P1", "whole", {}),
+    "P1/dp2-dyn": ("P1", "dp2-dyn", {}),
+    "D1/whole": ("D1", "whole", {}),
+    "D1/dp2-mb2": ("D1", "dp2-mb2", {}),
 }
 # layouts that must be equivalent (within tolerance)
 PAIRS = [
@@ -151,6 +163,9 @@ PAIRS = [
     ("S1/whole", "S1/dp2-ddp-mb2"),  # the same under DDP
     ("S1/whole", "S1/dp2-dyn"),  # token budget at dp=2
     ("M1/whole", "M1/dp2-mb2"),  # multi-turn with mask holes: FSDP2 dp=2, 2 micro-batches per rank
+    ("C1/whole", "C1/dp2-mb2"),  # CISPO: FSDP2 dp=2, 2 micro-batches per rank
+    ("P1/whole", "P1/dp2-dyn"),  # SAPO, seq-mean-token-mean: dp=2 with a token budget
+    ("D1/whole", "D1/dp2-mb2"),  # distillation added to the policy loss: FSDP2 dp=2, 2 micro-batches per rank
     # the sequence axis (workers/sequence.py): packed vs padded, Ulysses sp=2, dp=2 x sp=2, sp=2 with
     # a token budget; token-mean actor and critic with KL in the loss under SGD (S1), and AdamW with
     # a token-mean actor, a seq-mean-token-mean critic (a sequence split over ranks) and clipping (F1)
@@ -182,11 +197,23 @@ class Fits:
         self.model_dir = model_dir
         self.tmp = tmp_factory
         self.record_path = str(tmp_factory.mktemp("exactness_rollouts") / "gen1")
+        self._teacher_dir = None
         self.cache = {}
+
+    @property
+    def teacher_dir(self) -> str:
+        """The distillation families' teacher: a random tiny model with the actor's vocabulary."""
+        if self._teacher_dir is None:
+            from rlflow.tiny import build_tiny_model
+
+            self._teacher_dir = build_tiny_model(str(self.tmp.mktemp("exactness_teacher")), seed=7)
+        return self._teacher_dir
 
     def overrides(self, name: str) -> dict:
         family, layout, extra = FITS[name]
         overrides = {**FAMILIES[family], **LAYOUTS[layout]}
+        if overrides.get("teacher.enable"):
+            overrides["teacher.model.path"] = self.teacher_dir
         if "steps" in extra:
             overrides["trainer.total_steps"] = extra["steps"]
         return overrides
@@ -333,6 +360,19 @@ def test_grad_clipping_was_active(fits):
     for name in ("F1/whole", "F1/mb1"):
         norms = [h["actor/grad_norm"] for h in fits[name].steps()]
         assert min(norms) > 0.5 * 1.5, f"{name}: actor grad norms {norms} do not exceed actor.grad_clip=0.5"
+
+
+def test_cispo_sapo_and_distillation_terms_act(fits):
+    """The new objectives' families compare something: CISPO's clip changes weights (the second
+    epoch's ratios leave [0, 1.28]), SAPO's gate leaves 1 off-policy, the teacher's KL is not 0."""
+    cispo = [h for h in fits["C1/whole"].steps()]
+    assert max(h["actor/pg_clipfrac"] for h in cispo) > 0, "C1: CISPO's clip never changed a weight"
+    assert min(h["actor/pg_is_weight_mean"] for h in cispo) != max(h["actor/pg_is_weight_mean"] for h in cispo)
+    gates = [h["actor/pg_gate_weight_mean"] for h in fits["P1/whole"].steps()]
+    assert min(gates) < 1 - 1e-4, f"P1: SAPO's gate weights {gates} stayed at 1 (on-policy everywhere)"
+    distill = fits["D1/whole"].steps()
+    assert min(abs(h["actor/distill_reverse_kl"]) for h in distill) > 1e-3
+    assert min(h["actor/distill_loss"] for h in distill) > 1e-4
 
 
 def test_kl_loss_and_entropy_bonus_are_on(fits):
