@@ -136,7 +136,9 @@ class PPOTrainer:
         self.start_groups()
         if self.env_pool is None:  # its processes replace themselves; a restart keeps it
             self.env_pool = start_env_pool(cfg, self.groups)
-        self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer)
+        if getattr(self, "agent", None) is not None and hasattr(self.agent, "close"):
+            self.agent.close()  # rollout.agent.fn's endpoint: the new loop serves its own
+        self.agent = make_agent_loop(cfg, self.groups, self.env_pool, self.tokenizer, lambda: self.weight_version)
         connect_reward_model(self.score, self.groups)
         self.weight_sync = choose_weight_sync(cfg.rollout, self.groups)
         self.rollouts = make_rollouts(cfg, self.replay, self.loader, self.groups, self.score,
@@ -634,6 +636,9 @@ class PPOTrainer:
         if getattr(self, "env_pool", None) is not None:
             with contextlib.suppress(Exception):
                 self.env_pool.close()
+        if hasattr(getattr(self, "agent", None), "close"):
+            with contextlib.suppress(Exception):
+                self.agent.close()  # rollout.agent.fn's OpenAI endpoint
         if keep_workers and self.groups and IDLE_WORKERS.park(getattr(self, "layout_key", None), self.pools,
                                                               self.groups, self.cfg.trainer.keep_workers_s):
             self.groups, self.pools = {}, []

@@ -21,11 +21,14 @@ from transformers import AutoTokenizer
 
 from controllers import cluster
 from controllers.agent_loop import AgentLoop
+from controllers.endpoint_loop import EndpointAgentLoop
+from controllers.openai_endpoint import load_tool_parser
 from controllers.roles import Role, RunContext
 from controllers.rollout_source import (GeneratingSource, RecordingSource, ReplaySource, RolloutQueue, Scorer,
                                        StreamingQueue)
 from controllers.worker_group import RayWorkerGroup, ResourcePool, WorkerError, gather_groups
 from rlflow.agents import load_env_class
+from rlflow.agents.fn import load_agent_fn
 from rlflow.agents.pool import make_env_pool
 from rlflow.algos import get_kl_controller
 from rlflow.config import RLFlowConfig
@@ -160,6 +163,9 @@ def check_env_and_reward_model(cfg: RLFlowConfig) -> None:
     pool and the reward model's worker group start with the other groups)."""
     if cfg.rollout.agent.env:
         load_env_class(cfg.rollout.agent.env)
+    if cfg.rollout.agent.fn:  # the function and the endpoint's tool parser
+        load_agent_fn(cfg.rollout.agent.fn)
+        load_tool_parser(cfg.rollout.agent.tool_parser)
     if cfg.reward_model.enable:
         check_reward_model_folder(cfg.reward_model.path)
 
@@ -360,13 +366,19 @@ def init_models(roles: dict[str, Role], groups: dict[str, RayWorkerGroup], conte
 def start_env_pool(cfg: RLFlowConfig, groups: dict[str, RayWorkerGroup]):
     """rollout.agent.env's environments (rlflow/agents/pool.py), or None without an environment
     (or without a rollout group: replaying recorded rollouts)."""
-    if cfg.rollout.agent.env and "rollout" in groups:
+    if (cfg.rollout.agent.env or cfg.rollout.agent.fn) and "rollout" in groups:
         return make_env_pool(cfg.rollout.agent, cfg.trainer.startup_timeout_s)
     return None
 
 
-def make_agent_loop(cfg: RLFlowConfig, groups: dict[str, RayWorkerGroup], env_pool, tokenizer) -> AgentLoop | None:
-    return None if env_pool is None else AgentLoop(cfg, groups["rollout"], env_pool, tokenizer)
+def make_agent_loop(cfg: RLFlowConfig, groups: dict[str, RayWorkerGroup], env_pool, tokenizer,
+                    weight_version=None) -> AgentLoop | None:
+    """The agent loop of rollout.agent.env, or of rollout.agent.fn (with its OpenAI endpoint)."""
+    if env_pool is None:
+        return None
+    if cfg.rollout.agent.fn:
+        return EndpointAgentLoop(cfg, groups["rollout"], env_pool, tokenizer, weight_version)
+    return AgentLoop(cfg, groups["rollout"], env_pool, tokenizer)
 
 
 def connect_reward_model(scorer: Scorer, groups: dict[str, RayWorkerGroup]) -> None:

@@ -234,6 +234,13 @@ class AgentConfig:
     """Multi-turn rollouts with an environment (rlflow/agents): env=None is one response per prompt."""
 
     env: str | None = None  # "file.py:Class" or "package.module:Class", a subclass of rlflow.agents.Environment
+    # or an agent as plain code (not with env): "file.py:function" or "package.module:function", called as
+    # fn(row, openai_client) -> reward | {"reward": ..., "acc": ...} in the environment processes; the client's
+    # base_url is the rollout's OpenAI-compatible endpoint (controllers/openai_endpoint.py, docs/AGENTS.md)
+    fn: str | None = None
+    # with fn: how a sampled turn becomes an OpenAI tool call when the request has tools: "hermes"
+    # (<tool_call>{json}</tool_call>) or "file.py:name" / "module:name" (an object with parse(text) -> ToolCall | None)
+    tool_parser: str = "hermes"
     env_kwargs: dict = field(default_factory=dict)  # passed to the class for every trajectory
     max_turns: int = 4  # model turns per trajectory at most
     # environments run in this many Ray processes (rlflow/agents/pool.py); 0: in the driver, no timeout
@@ -1026,7 +1033,7 @@ def _check_partial(cfg: DictConfig) -> None:
     _need(cfg.trainer.max_staleness >= 1,
           "rollout.partial.enable=true needs trainer.max_staleness >= 1: it bounds how many updates older than the "
           "actor a batch's oldest token may be (with 0 no weight sync can land while a response is generated)")
-    _need(not cfg.rollout.agent.env, "rollout.partial.enable=true does not run agent episodes (rollout.agent.env): "
+    _need(not (cfg.rollout.agent.env or cfg.rollout.agent.fn), "rollout.partial.enable=true does not run agent episodes (rollout.agent.env, fn): "
           "their turns need the environment between chunks")
     _need(not cfg.rollout.sleep, "rollout.partial.enable=true generates between the calls: rollout.sleep must be false")
     _need("reward_baselines" not in estimator_inputs(cfg.algorithm.adv_estimator),
@@ -1090,7 +1097,7 @@ def _check_judge(cfg: DictConfig) -> None:
           f"reward.judge.dtype={judge.dtype!r} is not one of float32, bfloat16, float16")
     _need(judge.template_file or not judge.template or "{response}" in judge.template,
           "reward.judge.template has no {response} placeholder: the judge would never see the response")
-    _need(not cfg.rollout.agent.env, "rollout.agent.env: the environment rewards the episodes; reward.judge.enable "
+    _need(not (cfg.rollout.agent.env or cfg.rollout.agent.fn), "rollout.agent.env: the environment rewards the episodes; reward.judge.enable "
                                      "is not supported with it")
 
 
@@ -1142,7 +1149,9 @@ def _check_reward_model(cfg: DictConfig) -> None:
 
 def _check_agent(cfg: DictConfig) -> None:
     agent = cfg.rollout.agent
-    if not agent.env:
+    _need(not (agent.env and agent.fn), f"rollout.agent.env={agent.env!r} and rollout.agent.fn={agent.fn!r} are both "
+          "set: an episode is an environment class or an agent function, set one of them")
+    if not (agent.env or agent.fn):
         return
     _need(agent.on_error in ("raise", "zero"), f"rollout.agent.on_error={agent.on_error!r} is not one of raise, zero")
     # the environments' rewards are the scores

@@ -518,12 +518,14 @@ class EnvPool(ProcessPoolOwner):
 
 def make_env_pool(agent_cfg, startup_timeout_s: float = 900.0) -> EnvPool | LocalEnvPool:
     """The pool for rollout.agent: in the driver (num_workers=0) or in num_workers Ray processes."""
-    if not agent_cfg.env:
+    env, env_kwargs = agent_cfg.env, agent_cfg.env_kwargs or {}
+    if getattr(agent_cfg, "fn", None):  # an agent function: one step per episode runs it (rlflow/agents/fn.py)
+        env, env_kwargs = "rlflow.agents.fn:AgentFnEnv", {"fn": resolve_spec(agent_cfg.fn)}
+    if not env:
         raise ValueError("rollout.agent.env is not set: no environment to run")
-    env_kwargs = agent_cfg.env_kwargs or {}
     if OmegaConf.is_config(env_kwargs):  # the environment gets plain dicts and lists, as from python
         env_kwargs = OmegaConf.to_container(env_kwargs, resolve=True)
     if agent_cfg.num_workers == 0:
-        return LocalEnvPool(agent_cfg.env, env_kwargs, agent_cfg.on_error)
-    return EnvPool(agent_cfg.env, env_kwargs, agent_cfg.num_workers, agent_cfg.timeout_s, agent_cfg.on_error,
+        return LocalEnvPool(env, env_kwargs, agent_cfg.on_error)
+    return EnvPool(env, env_kwargs, agent_cfg.num_workers, agent_cfg.timeout_s, agent_cfg.on_error,
                    startup_timeout_s)
