@@ -350,7 +350,8 @@ class PPOTrainer:
                    for name in running}
         for name, futures in pending.items():
             forward = self.active_roles[name].forward
-            batch[forward.produces] = self.groups[name].collect_dp(futures, forward.method)[forward.produces]
+            produced = self.groups[name].collect_dp(futures, forward.method)
+            batch.update(produced)  # `produces`, and any key it adds (the teacher's top k)
             self._check_finite(batch, name, forward)
 
     def _share_cores(self, running: list[str]) -> None:

@@ -37,7 +37,8 @@ class Forward:
     """A no-grad pass the role runs over the step's batch before advantages are computed.
 
     `method` is called with the rows of MODEL_INPUT_KEYS split over the role's ranks and returns a
-    TensorDict holding `produces` ([B, R] per response token) for its rows.
+    TensorDict holding `produces` ([B, R] per response token) for its rows, and any other key it
+    computes with it (the teacher's top-k ids and log-probs), each added to the batch.
     """
 
     method: str
@@ -80,7 +81,14 @@ class Role:
 def _actor_update_keys(cfg: RLFlowConfig, on_policy: bool) -> tuple[str, ...]:
     return (MODEL_INPUT_KEYS + ("advantages",) + (() if on_policy else ("old_log_probs",))
             + (("ref_log_prob",) if cfg.actor.use_kl_loss else ())
-            + (("teacher_log_prob",) if cfg.actor.distill.coef > 0 else ()))
+            + _distill_keys(cfg.actor.distill))
+
+
+def _distill_keys(distill) -> tuple[str, ...]:
+    """What the actor's distillation term reads of the teacher's forward (actor.distill)."""
+    if distill.coef == 0:
+        return ()
+    return ("teacher_topk_ids", "teacher_topk_log_probs") if distill.top_k > 0 else ("teacher_log_prob",)
 
 
 def _rollout_enabled(cfg: RLFlowConfig) -> bool:

@@ -115,6 +115,9 @@ class DistillConfig:
     # the per-token estimator k of rlflow.algos.kl (as actor.kl_loss_type); k3's gradient is the
     # per-token reverse KL's (log pi - log pi_teacher) grad log pi
     kl_type: str = "low_var_kl"
+    # > 0: instead of the reverse KL of the sampled tokens, the forward KL over the teacher's top_k
+    # most likely tokens at each sampled position (the teacher's distribution renormalised over them)
+    top_k: int = 0
     # false: pure distillation, the policy loss is left out of the actor's loss (rewards are still
     # scored and logged, the advantages computed, but nothing trains on them)
     use_policy_loss: bool = True
@@ -781,6 +784,7 @@ NUMERIC_RANGES: dict[str, Range] = _expand_keys({
     "actor.entropy_coeff": at_least(0, "0: no entropy bonus"),
     "actor.kl_loss_coef": at_least(0),
     "actor.distill.coef": at_least(0, "0: no distillation"),
+    "actor.distill.top_k": at_least(0, "0: the reverse KL of the sampled tokens"),
     "actor.log_prob_micro_batch_size_per_gpu": at_least(1),
     "critic.cliprange_value": at_least(0),
     "critic.forward_micro_batch_size_per_gpu": at_least(1),
@@ -1061,6 +1065,8 @@ def _check_distillation(cfg: DictConfig) -> None:
     if distill.coef > 0:
         _need(bool(teacher.enable), f"actor.distill.coef={distill.coef} distils from a teacher: set teacher.enable=true "
                                     "and teacher.model.path (or actor.distill.coef=0)")
+    _need(distill.top_k == 0 or distill.coef > 0,
+          f"actor.distill.top_k={distill.top_k} chooses the distillation objective, which is off: set actor.distill.coef > 0")
     if not teacher.enable:
         return
     path = teacher.model.path

@@ -25,6 +25,7 @@ KL_METRICS = ("actor/kl_loss",)  # families with actor.use_kl_loss
 # the terms a policy loss or an objective adds, each logged with its declared aggregation
 POLICY_LOSS_METRICS = {"cispo": ("actor/pg_is_weight_mean",), "sapo": ("actor/pg_gate_weight_mean",)}
 DISTILL_METRICS = ("actor/distill_loss", "actor/distill_reverse_kl")  # families with actor.distill.coef > 0
+DISTILL_TOPK_METRICS = ("actor/distill_loss", "actor/distill_forward_kl")  # ... and actor.distill.top_k > 0
 # Metrics: rtol of the metric's largest magnitude over the fit, not of this step's value. A loss
 # is a mean of per-token terms of both signs, and its float noise is that of the terms: in a step
 # where they cancel (M1's pg_loss: 0.011 there, 0.18 in the other steps) a tolerance relative to
@@ -139,7 +140,8 @@ def run_fit(model_dir: str, out_dir: str, workers: dict | None = None, **overrid
 def required_metrics(family: dict) -> tuple[str, ...]:
     return (COMPARED_METRICS + (KL_METRICS if family.get("actor.use_kl_loss") else ())
             + POLICY_LOSS_METRICS.get(family.get("actor.policy_loss", "vanilla"), ())
-            + (DISTILL_METRICS if family.get("actor.distill.coef", 0) > 0 else ()))
+            + (() if family.get("actor.distill.coef", 0) == 0
+               else DISTILL_TOPK_METRICS if family.get("actor.distill.top_k", 0) > 0 else DISTILL_METRICS))
 
 
 def probe_names(step: dict) -> list[str]:

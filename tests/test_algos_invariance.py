@@ -65,6 +65,7 @@ DTYPE = torch.float64  # of the fixed examples (negative controls); hypothesis d
 TOLERANCES = {torch.float64: (1e-9, 1e-12, 0.0), torch.float32: (2e-5, 5e-6, 5e-6)}
 RTOL, ATOL, _ = TOLERANCES[DTYPE]
 LOSS_SCALE_FACTOR = 7.0  # a configured constant, deliberately not any padded width
+TOP_K = 3  # the teacher's tokens per position of the top-k distillation term
 HYPOTHESIS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -276,6 +277,7 @@ def term_inputs(gen, keys, rows, width, dtype, outcome_advantages: bool) -> dict
     some beyond the value clip, some inside."""
     shape = (rows, width)
     log_probs = randn(gen, *shape, scale=0.5, dtype=dtype) - 1.0
+    top_k = (rows, width, TOP_K)
     vpreds = randn(gen, *shape, dtype=dtype)
     advantages = randn(gen, *shape, scale=1.5, dtype=dtype)
     if outcome_advantages:  # one advantage per response (GRPO-like)
@@ -286,6 +288,11 @@ def term_inputs(gen, keys, rows, width, dtype, outcome_advantages: bool) -> dict
         "ref_log_prob": lambda: log_probs + randn(gen, *shape, scale=1.5, dtype=dtype),
         # the teacher's: gaps of both signs, some past k3's clamp, as the reference's
         "teacher_log_prob": lambda: log_probs + randn(gen, *shape, scale=1.5, dtype=dtype),
+        # the top-k forward KL's: the teacher's log-probs of its k tokens (renormalised by the term)
+        # and the actor's of the same tokens, each < 0, the actor's mass on them below 1
+        "teacher_topk_log_probs": lambda: randn(gen, *top_k, scale=1.5, dtype=dtype) - 2.0,
+        "topk_log_probs": lambda: torch.log_softmax(randn(gen, rows, width, TOP_K + 3, scale=1.5, dtype=dtype),
+                                                    dim=-1)[..., :TOP_K],
         "advantages": lambda: advantages,
         "entropy": lambda: randn(gen, *shape, dtype=dtype).abs() * 2,
         "vpreds": lambda: vpreds,
@@ -301,16 +308,22 @@ def term_inputs(gen, keys, rows, width, dtype, outcome_advantages: bool) -> dict
 
 
 def term_loss_fn(term_fn, options, inputs: dict[str, torch.Tensor], mask):
-    """A term as the harness's loss_fn; the leaf stacks all the float inputs, so the gradient with
-    respect to every one of them is checked."""
+    """A term as the harness's loss_fn; the leaf [rows, width, features] holds all the float inputs
+    side by side on its last axis ([rows, width] ones as one feature, [rows, width, k] ones as k),
+    so the gradient with respect to every one of them is checked."""
     keys = list(inputs)
+    widths = [inputs[key].shape[2] if inputs[key].dim() == 3 else 1 for key in keys]
+    starts = [sum(widths[:i]) for i in range(len(keys))]
 
     def loss_fn(leaf, rows, width, meta):
-        batch = {key: sliced(leaf[i], rows, width) for i, key in enumerate(keys)}
+        micro = sliced(leaf, rows, width)
+        batch = {key: micro[..., start : start + size] if inputs[key].dim() == 3 else micro[..., start]
+                 for key, start, size in zip(keys, starts, widths, strict=True)}
         batch["response_mask"] = sliced(mask, rows, width)
         return term_fn(batch, meta, options)
 
-    return loss_fn, torch.stack([inputs[key] for key in keys])
+    leaf = torch.cat([inputs[key] if inputs[key].dim() == 3 else inputs[key].unsqueeze(-1) for key in keys], dim=-1)
+    return loss_fn, leaf
 
 
 def test_every_option_of_every_term_can_be_drawn():
@@ -424,8 +437,9 @@ def test_composed_actor_loss_split_invariance(policy_loss, case, data):
     mode = data.draw(st.sampled_from(LOSS_AGG_MODES))
     terms = [LossTerm("policy_loss", POLICY_LOSSES[policy_loss],
                       term_options(POLICY_LOSSES[policy_loss].options, mode, data.draw))]
+    distill = data.draw(st.sampled_from(["distill_loss", "distill_topk_loss"]), label="distillation term")
     terms += [LossTerm(name, LOSS_TERMS[name], term_options(LOSS_TERMS[name].options, mode, data.draw))
-              for name in ("entropy_bonus", "kl_loss", "distill_loss")]
+              for name in ("entropy_bonus", "kl_loss", distill)]
     gen, mask, plan, meta = setup_case(case)
     keys = sorted({key for term in terms for key in term.spec.inputs} - {"response_mask"})
     inputs = term_inputs(gen, keys, case["rows"], case["width"], case["dtype"], False)
@@ -435,8 +449,9 @@ def test_composed_actor_loss_split_invariance(policy_loss, case, data):
 
     loss_fn, leaf_init = term_loss_fn(composed, None, inputs, mask)
     result = check_split_invariance(loss_fn, leaf_init, mask, plan, meta, case["trim"])
+    distill_statistic = "actor/distill_reverse_kl" if distill == "distill_loss" else "actor/distill_forward_kl"
     assert {"actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "actor/distill_loss",
-            "actor/distill_reverse_kl"} <= result["whole_metrics"].keys()
+            distill_statistic} <= result["whole_metrics"].keys()
     assert_invariant(result)
 
 

@@ -87,6 +87,31 @@ def _section(**fields):
     return SimpleNamespace(**{**vars(actor), "loss_scale_factor": 8.0, "distill": DistillConfig(**fields)})
 
 
+def test_distill_topk_forward_kl_gradient_by_hand():
+    """The top-k term (actor.distill.top_k): per token sum_j q_j (log q_j - log pi_j), q the
+    teacher's top k renormalised; token-mean over the mask; its gradient with respect to the
+    actor's log-probs of those tokens is -q_j / N, and the value is >= 0 (the actor's mass on the k
+    tokens is below 1)."""
+    gen = torch.Generator().manual_seed(5)
+    rows, width, k = 3, 4, 5
+    actor_logits = torch.randn(rows, width, 9, generator=gen, dtype=F64) * 1.5
+    log_pi = torch.log_softmax(actor_logits, dim=-1)[..., :k].clone().requires_grad_(True)
+    teacher = torch.randn(rows, width, k, generator=gen, dtype=F64) - 2.0
+    mask = torch.ones(rows, width, dtype=F64)
+    mask[0, 2:] = 0
+    options = LOSS_TERMS["distill_topk_loss"].options(coef=0.3, loss_agg_mode="token-mean")
+    batch = {"topk_log_probs": log_pi, "teacher_topk_log_probs": teacher, "response_mask": mask}
+    loss, metrics = LOSS_TERMS["distill_topk_loss"].fn(batch, None, options)
+    loss.backward()
+    q = torch.softmax(teacher, dim=-1)
+    per_token = (q * (q.log() - log_pi.detach())).sum(-1)
+    count = mask.sum()
+    assert float(loss) == pytest.approx(0.3 * float((per_token * mask).sum() / count), rel=1e-12)
+    torch.testing.assert_close(log_pi.grad, -0.3 * q * mask.unsqueeze(-1) / count, rtol=1e-12, atol=0)
+    assert (per_token > 0).all()
+    assert metrics["distill_forward_kl"].value == pytest.approx(float((per_token * mask).sum() / count), rel=1e-12)
+
+
 def test_distill_terms_of_the_actor():
     names = lambda section: [term.name for term in actor_loss_terms(section)]  # noqa: E731
     assert names(_section()) == ["policy_loss"]
@@ -108,6 +133,8 @@ def test_distill_terms_of_the_actor():
      "actor.distill.kl_type must be one of kl, k1"),
     ({"actor.distill.coef": 0.5, "teacher.enable": True, "teacher.model.path": "tiny", "teacher.dp_size": 3},
      "teacher.dp_size=3 must divide"),
+    ({"actor.distill.top_k": 4}, "actor.distill.top_k=4 chooses the distillation objective, which is off"),
+    ({"actor.distill.top_k": -1}, "actor.distill.top_k must be >= 0"),
 ])
 def test_distill_config_errors_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -125,6 +152,11 @@ def test_distill_config_enables_the_teacher_role_and_sends_its_log_probs():
     assert roles["teacher"].forward.produces == "teacher_log_prob"
     assert "teacher_log_prob" in roles["actor"].update_keys(cfg, True)
     assert cfg.teacher.use_remove_padding is True  # the actor's, inherited
+    topk = to_dataclass(load_config(None, ["actor.distill.coef=0.5", "actor.distill.top_k=4", "teacher.enable=true",
+                                           "teacher.model.path=tiny"]))
+    keys = roles["actor"].update_keys(topk, True)
+    assert {"teacher_topk_ids", "teacher_topk_log_probs"} <= set(keys) and "teacher_log_prob" not in keys
+    assert [term.name for term in actor_loss_terms(topk.actor)] == ["policy_loss", "distill_topk_loss"]
     plain = to_dataclass(load_config())
     assert "teacher" not in enabled_roles(resolve_roles(), plain)
     assert "teacher_log_prob" not in resolve_roles()["actor"].update_keys(plain, True)
@@ -223,6 +255,58 @@ def test_distill_teacher_log_probs_reach_the_loss_and_one_step_lowers_the_revers
             parameter -= 0.05 * parameter.grad
     after = exact_reverse_kl(actor.model, teacher_lm, batch)
     assert after < before - 1e-3, (before, after)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_distill_topk_targets_reach_the_loss_and_one_step_lowers_the_forward_kl(
+        restore_process_state, tiny_model_dir, teacher_dir, packed):
+    """actor.distill.top_k=4: the teacher worker's targets are its 4 most likely tokens at each
+    sampled position and their log-probs; the actor's forward reads its own log-probs of those ids
+    (padded and packed micro-batches alike); distill_forward_kl is the renormalised top-k forward
+    KL computed here from the two models; one SGD step on it lowers it."""
+    from workers.actor import ActorWorker
+    from workers.teacher import TeacherWorker
+
+    top_k = 4
+    cfg = to_dataclass(load_config(None, tiny_overrides(tiny_model_dir, **{
+        "actor.distill.coef": 1.0, "actor.distill.top_k": top_k, "actor.distill.use_policy_loss": False,
+        "teacher.enable": True, "teacher.model.path": teacher_dir, "rollout.temperature": 1.0,
+        "actor.optim.name": "sgd", "actor.use_remove_padding": packed})))
+    batch = student_samples(tiny_model_dir, rows=16)
+    mask = batch["response_mask"] != 0
+
+    teacher = TeacherWorker(cfg, 0, 1)
+    teacher.init_model(teacher_dir)
+    targets = teacher.compute_teacher_log_prob(batch)
+    teacher_lm = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    with torch.no_grad():
+        log_t = response_log_softmax(teacher_lm, batch)
+    values, ids = log_t.topk(top_k, dim=-1)
+    assert torch.equal(targets["teacher_topk_ids"][mask], ids[mask])
+    torch.testing.assert_close(targets["teacher_topk_log_probs"][mask].to(F64), values[mask], rtol=0, atol=1e-5)
+
+    def forward_kl(student) -> float:
+        with torch.no_grad():
+            log_s = response_log_softmax(student, batch).gather(-1, ids)
+        log_q = torch.log_softmax(values, dim=-1)
+        return float((log_q.exp() * (log_q - log_s)).sum(-1)[mask].mean())
+
+    actor = ActorWorker(cfg, 0, 1)
+    actor.init_model(tiny_model_dir, 1)
+    before = forward_kl(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    micro = batch.clone()
+    micro.update(targets.select("teacher_topk_ids", "teacher_topk_log_probs"))
+    actor.model.train()
+    loss, metrics = actor.micro_loss(micro, None)
+    assert metrics["actor/distill_forward_kl"].value == pytest.approx(before, abs=1e-5)
+    assert "actor/distill_reverse_kl" not in metrics and before > 0.05
+    loss.backward()
+    with torch.no_grad():
+        for parameter in actor.model.parameters():
+            parameter -= 0.05 * parameter.grad
+    stepped = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # padded attention, the stepped weights
+    stepped.load_state_dict({name.removeprefix("module."): value for name, value in actor.model.state_dict().items()})
+    assert forward_kl(stepped) < before - 1e-3
 
 
 # ------------------------------------------------------------------------------ through the driver

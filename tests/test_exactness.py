@@ -82,6 +82,8 @@ FAMILIES["M1"] = {**FAMILIES["S1"], "data.max_response_length": 16, "rollout.age
 FAMILIES["C1"] = {**FAMILIES["S1"], "actor.policy_loss": "cispo"}
 FAMILIES["P1"] = {**FAMILIES["S1"], "actor.policy_loss": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean"}
 FAMILIES["D1"] = {**FAMILIES["S1"], "actor.distill.coef": 0.5, "teacher.enable": True}
+# the top-k forward KL ([B, R, k] targets from the teacher's forward, gathered by the actor's)
+FAMILIES["D2"] = {**FAMILIES["D1"], "actor.distill.top_k": 4}
 WHOLE = {"actor.ppo_micro_batch_size_per_gpu": MINI}  # one micro-batch = the whole per-rank shard
 LAYOUTS = {
     "whole": WHOLE,
@@ -150,6 +152,9 @@ FITS = {
     "P1/dp2-dyn": ("P1", "dp2-dyn", {}),
     "D1/whole": ("D1", "whole", {}),
     "D1/dp2-mb2": ("D1", "dp2-mb2", {}),
+    "D2/whole": ("D2", "whole", {}),
+    "D2/pack-mb2": ("D2", "pack-mb2", {}),
+    "D2/dp2-dyn": ("D2", "dp2-dyn", {}),
 }
 # layouts that must be equivalent (within tolerance)
 PAIRS = [
@@ -166,6 +171,8 @@ PAIRS = [
     ("C1/whole", "C1/dp2-mb2"),  # CISPO: FSDP2 dp=2, 2 micro-batches per rank
     ("P1/whole", "P1/dp2-dyn"),  # SAPO, seq-mean-token-mean: dp=2 with a token budget
     ("D1/whole", "D1/dp2-mb2"),  # distillation added to the policy loss: FSDP2 dp=2, 2 micro-batches per rank
+    ("D2/whole", "D2/pack-mb2"),  # top-k forward KL: packed micro-batches
+    ("D2/whole", "D2/dp2-dyn"),  # top-k forward KL: dp=2 with a token budget
     # the sequence axis (workers/sequence.py): packed vs padded, Ulysses sp=2, dp=2 x sp=2, sp=2 with
     # a token budget; token-mean actor and critic with KL in the loss under SGD (S1), and AdamW with
     # a token-mean actor, a seq-mean-token-mean critic (a sequence split over ranks) and clipping (F1)
@@ -373,6 +380,7 @@ def test_cispo_sapo_and_distillation_terms_act(fits):
     distill = fits["D1/whole"].steps()
     assert min(abs(h["actor/distill_reverse_kl"]) for h in distill) > 1e-3
     assert min(h["actor/distill_loss"] for h in distill) > 1e-4
+    assert min(h["actor/distill_forward_kl"] for h in fits["D2/whole"].steps()) > 1e-3
 
 
 def test_kl_loss_and_entropy_bonus_are_on(fits):

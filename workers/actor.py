@@ -8,13 +8,14 @@ import torch
 from tensordict import TensorDict
 
 from rlflow.algos import ROLLOUT_IS_WEIGHTS, ROLLOUT_LOG_PROBS, actor_loss_terms, compose_loss, masked_mean_metric
+from rlflow.algos.losses import TEACHER_TOPK_IDS, TOPK_LOG_PROBS
 from rlflow.algos.rollout_correction import compute_rollout_correction
 from rlflow.algos.rollout_correction import options_from_config as rollout_correction_options
 from rlflow.metrics import Metric
 from rlflow.protocol import BatchMeta, plan_micro_batches
 from workers import lora
 from workers.base import WorkerBase
-from workers.forward import response_log_probs, share_prompt_setting
+from workers.forward import response_forward, response_log_probs, share_prompt_setting
 from workers.precision import DTYPES, Precision, cast_parameters_
 from workers.trainable import TrainableWorker, build_optimizer, build_scheduler, enable_gradient_checkpointing, resident
 from workers.weight_collective import CollectiveWeightSender
@@ -136,9 +137,13 @@ class ActorWorker(CollectiveWeightSender, LogProbMixin, TrainableWorker):  # rol
         return super().update(shards)
 
     def micro_loss(self, micro: TensorDict, meta: BatchMeta | None) -> tuple[torch.Tensor, dict[str, Metric]]:
-        log_prob, entropy = response_log_probs(self.model, micro, self.cfg.rollout.temperature, with_entropy=True,
-                                               share_prompt=self.share_prompt, layout=self.layout)
+        candidates = micro[TEACHER_TOPK_IDS] if TEACHER_TOPK_IDS in micro.keys() else None
+        out = response_forward(self.model, micro, self.cfg.rollout.temperature, with_entropy=True,
+                               share_prompt=self.share_prompt, layout=self.layout, candidate_ids=candidates)
+        log_prob, entropy = out.log_probs, out.entropy
         forward = {"log_probs": log_prob, "entropy": entropy}
+        if candidates is not None:  # actor.distill.top_k: its log-probs of the teacher's top k
+            forward[TOPK_LOG_PROBS] = out.candidate_log_probs
         if "old_log_probs" not in micro.keys():
             # on-policy (the driver sent no old log-probs): the weights are the rollout's, ratio 1
             forward["old_log_probs"] = log_prob.detach()

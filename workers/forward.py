@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -208,9 +209,11 @@ def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
 
 
 def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, kept, ...] -> [B, width, ...], zeros after the kept columns."""
     if values.shape[1] == width:
         return values
-    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
+    trailing = (0, 0) * (values.dim() - 2)
+    return torch.nn.functional.pad(values, (*trailing, 0, width - values.shape[1]))
 
 
 def _packed_forward(model: torch.nn.Module, td: TensorDict, layout: SequenceLayout):
@@ -219,28 +222,59 @@ def _packed_forward(model: torch.nn.Module, td: TensorDict, layout: SequenceLayo
     return packed, packed_forward(model, packed, layout.sp, _takes_logits_to_keep(type(_hf_model(model))))
 
 
-def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def response_log_probs(
     model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False, share_prompt: bool = False,
     layout: SequenceLayout = PADDED,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token) under logits / temperature (the sampling distribution), [B, R]."""
+    out = response_forward(model, td, temperature, with_entropy, share_prompt, layout)
+    return out.log_probs, out.entropy
+
+
+@dataclass
+class ResponseForward:
+    """One forward's per-response-token outputs, [B, R] (or [B, R, k]), zeros after each response."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    topk_log_probs: torch.Tensor | None = None  # the k largest log-probs at each position (top_k > 0)
+    topk_ids: torch.Tensor | None = None  # their token ids, long
+    candidate_log_probs: torch.Tensor | None = None  # the log-probs of `candidate_ids`' tokens
+
+
+def response_forward(
+    model: torch.nn.Module, td: TensorDict, temperature: float, with_entropy: bool = False, share_prompt: bool = False,
+    layout: SequenceLayout = PADDED, top_k: int = 0, candidate_ids: torch.Tensor | None = None,
+) -> ResponseForward:
+    """response_log_probs, and from the same logits: with top_k > 0 the k most likely tokens of
+    each position and their log-probs (a teacher's), with candidate_ids ([B, R, k] long) the
+    log-probs of those tokens (the actor's of the teacher's top k)."""
     shape = tuple(td["responses"].shape)
     if layout.packs:
         packed, logits = _packed_forward(model, td, layout)
-        logits = logits.float() / temperature
-        log_probs = _token_log_probs(logits, td["responses"][packed.rows, packed.columns])
-        entropy = layout.gather(entropy_from_logits(logits), packed, shape) if with_entropy else None
-        return layout.gather(log_probs, packed, shape), entropy
-    logits, kept = _forward_window(model, td, share_prompt)
+        tokens = td["responses"][packed.rows, packed.columns]
+        candidates = None if candidate_ids is None else candidate_ids[packed.rows, packed.columns]
+
+        def place(values):  # [K, ...] of this rank -> [B, R, ...]
+            return layout.gather(values, packed, shape + tuple(values.shape[1:]))
+    else:
+        logits, kept = _forward_window(model, td, share_prompt)
+        tokens = td["responses"][:, :kept]
+        candidates = None if candidate_ids is None else candidate_ids[:, :kept]
+
+        def place(values):  # [B, kept, ...] -> [B, R, ...]
+            return _pad_to(values, shape[1])
     logits = logits.float() / temperature
-    log_probs = _token_log_probs(logits, td["responses"][:, :kept])
-    width = shape[1]
-    entropy = _pad_to(entropy_from_logits(logits), width) if with_entropy else None
-    return _pad_to(log_probs, width), entropy
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    out = ResponseForward(place(log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)))
+    if with_entropy:
+        out.entropy = place(entropy_from_logits(logits))
+    if top_k > 0:
+        values, ids = log_softmax.topk(top_k, dim=-1)
+        out.topk_log_probs, out.topk_ids = place(values), place(ids)
+    if candidates is not None:
+        out.candidate_log_probs = place(log_softmax.gather(-1, candidates))
+    return out
 
 
 def response_values(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False,

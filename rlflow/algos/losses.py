@@ -443,6 +443,47 @@ def distill_loss_term(batch: Batch, meta, options: DistillOptions):
     return options.coef * distill_loss, metrics
 
 
+# the teacher's top-k tokens at each sampled position, [B, R, k] (ids, long) and their log-probs
+# (float) under the teacher; the actor's forward adds TOPK_LOG_PROBS, its own log-probs of those ids
+TEACHER_TOPK_IDS = "teacher_topk_ids"
+TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
+TOPK_LOG_PROBS = "topk_log_probs"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillTopKOptions(LossOptions):
+    """actor.distill with top_k > 0: `coef` weights the top-k forward KL term."""
+
+    coef: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("distill.coef", self.coef, lambda v: v >= 0, ">= 0")
+
+
+@register_loss_term("distill_topk_loss", DistillTopKOptions, (TOPK_LOG_PROBS, TEACHER_TOPK_LOG_PROBS, "response_mask"))
+def distill_topk_loss_term(batch: Batch, meta, options: DistillTopKOptions):
+    """coef * aggregate(KL(q || pi) over the teacher's top k tokens) at each sampled position.
+
+    q is the teacher's distribution renormalised over its k most likely tokens, pi the actor's
+    full-vocabulary probability of each: sum_j q_j (log q_j - log pi(v_j)) >= 0, 0 only when the
+    actor puts all its mass on those k tokens in the teacher's proportions (as k grows it tends to
+    the forward KL). Its gradient, -sum_j q_j grad log pi(v_j), is cross-entropy towards the
+    teacher's top k (GKD's forward KL on the student's own samples). The positions are those the
+    actor sampled; their distribution is not differentiated (no ratio), as in GKD.
+    distill_forward_kl: the per-token value's token mean.
+    """
+    log_pi, teacher, mask = batch[TOPK_LOG_PROBS], batch[TEACHER_TOPK_LOG_PROBS], batch["response_mask"]
+    log_q = torch.log_softmax(teacher.to(log_pi.dtype), dim=-1)
+    per_token = (log_q.exp() * (log_q - log_pi)).sum(-1)
+    distill_loss = aggregate(per_token, mask, meta, options)
+    metrics = {
+        "distill_loss": aggregated_loss_metric(distill_loss, meta),
+        "distill_forward_kl": masked_mean_metric(per_token, mask),
+    }
+    return options.coef * distill_loss, metrics
+
+
 # ----------------------------------------------------------------------------- policy losses
 
 POLICY_LOSSES: dict[str, TermSpec] = {}

@@ -84,7 +84,11 @@ def distilling(actor) -> bool:
 
 
 def distill_term(actor) -> LossTerm:
-    """actor.distill's term: its coef and kl_type, the actor's loss_agg_mode / loss_scale_factor."""
+    """actor.distill's term: its coef and kl_type (or with top_k > 0 the top-k forward KL), the
+    actor's loss_agg_mode / loss_scale_factor."""
+    if getattr(actor.distill, "top_k", 0) > 0:
+        spec = LOSS_TERMS["distill_topk_loss"]
+        return LossTerm("distill_topk_loss", spec, spec.options(coef=actor.distill.coef, **_shared(actor)))
     spec = LOSS_TERMS["distill_loss"]
     return LossTerm("distill_loss", spec, spec.options(coef=actor.distill.coef, kl_type=actor.distill.kl_type,
                                                        **_shared(actor)))
