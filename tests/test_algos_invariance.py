@@ -253,6 +253,10 @@ OPTION_STRATEGIES = {
     # sapo's gate temperatures: gentle (0.5) to steep (5: the gate saturates within the drawn ratios)
     "tau_pos": st.floats(0.5, 5.0),
     "tau_neg": st.floats(0.5, 5.0),
+    # dppo's trust region on the token probability's change (tv) or its binary KL: the drawn
+    # log-probs (about -1 +- 0.5, old ones 0.8 further) put tokens on both sides of it
+    "delta_low": st.floats(0.01, 0.5),
+    "delta_high": st.floats(0.01, 0.5),
     "cliprange_value": st.floats(0.05, 0.5),
     "entropy_coeff": st.floats(-1.0, 1.0).filter(lambda c: abs(c) > 1e-3),
     "kl_loss_coef": st.floats(0.001, 1.0),

@@ -326,6 +326,35 @@ def test_cispo_hand_example_value_and_gradient():
     assert metrics["pg_is_weight_mean"].aggregation is Aggregation.MEAN and metrics["pg_is_weight_mean"].weight == 4.0
 
 
+def test_dppo_tv_and_kl_hand_example_value_and_gradient():
+    """DPPO: old probabilities 0.5, 0.5, 0.5, 0.02 and new 0.8 (A > 0, rose by 0.3), 0.6 (A > 0, by
+    0.1), 0.2 (A < 0, fell by 0.3), 0.07 (A > 0, r = 3.5, rose by 0.05). TV with delta 0.2 drops
+    the first and the third (their probability moved more than 0.2 the way their advantage
+    pushes); the binary KL with delta 0.1 drops the same two (KL 0.223 and 0.223) and keeps the
+    second (0.020) and the last (0.026), which PPO's ratio clip would have cut. The last token keeps
+    its weight truncated at clip_ratio_c = 3 (pg_clipfrac_lower)."""
+    from rlflow.algos.losses import DPPOOptions, compute_policy_loss_dppo_kl, compute_policy_loss_dppo_tv
+
+    old = torch.tensor([[0.5, 0.5, 0.5, 0.02]], dtype=D).log()
+    new = torch.tensor([[0.8, 0.6, 0.2, 0.07]], dtype=D).log()
+    advantages = torch.tensor([[1.0, 2.0, -1.5, 0.5]], dtype=D)
+    mask = torch.ones(1, 4, dtype=D)
+    kept_weights = {1: 1.2, 3: 3.0}  # r = 0.6 / 0.5; r = 3.5 truncated at 3
+    for fn, options in ((compute_policy_loss_dppo_tv, DPPOOptions(delta_low=0.2, delta_high=0.2, clip_ratio_c=3.0)),
+                        (compute_policy_loss_dppo_kl, DPPOOptions(delta_low=0.1, delta_high=0.1, clip_ratio_c=3.0))):
+        log_prob = new.clone().requires_grad_(True)
+        pg_loss, metrics = fn(policy_batch(old, log_prob, advantages, mask), None, options)
+        by_hand = sum(-kept_weights[i] * float(advantages[0, i]) * float(new[0, i]) for i in kept_weights) / 4
+        assert float(pg_loss.detach()) == pytest.approx(by_hand)
+        (grad,) = torch.autograd.grad(pg_loss, [log_prob])
+        expected = torch.zeros(1, 4, dtype=D)
+        for i, weight in kept_weights.items():
+            expected[0, i] = -weight * advantages[0, i] / 4
+        torch.testing.assert_close(grad, expected)
+        assert metrics["pg_clipfrac"].value == pytest.approx(2 / 4)
+        assert metrics["pg_clipfrac_lower"].value == pytest.approx(1 / 4)
+
+
 def test_cispo_default_has_no_lower_bound():
     """epsilon_low = 1 by default (MiniMax-M1 sets no lower bound): r = 0.5 keeps its weight 0.5,
     r = 2 is capped at 1.28."""

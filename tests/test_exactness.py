@@ -82,6 +82,10 @@ FAMILIES["M1"] = {**FAMILIES["S1"], "data.max_response_length": 16, "rollout.age
 FAMILIES["C1"] = {**FAMILIES["S1"], "actor.policy_loss": "cispo"}
 FAMILIES["P1"] = {**FAMILIES["S1"], "actor.policy_loss": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean"}
 FAMILIES["D1"] = {**FAMILIES["S1"], "actor.distill.coef": 0.5, "teacher.enable": True}
+# DPPO-Binary-TV with a trust region small enough (0.01 of probability) that the second epoch's
+# tokens leave it
+FAMILIES["K1"] = {**FAMILIES["S1"], "actor.policy_loss": "dppo_tv", "actor.policy_loss_options.delta_low": 0.01,
+                  "actor.policy_loss_options.delta_high": 0.01}
 # the top-k forward KL ([B, R, k] targets from the teacher's forward, gathered by the actor's)
 FAMILIES["D2"] = {**FAMILIES["D1"], "actor.distill.top_k": 4}
 WHOLE = {"actor.ppo_micro_batch_size_per_gpu": MINI}  # one micro-batch = the whole per-rank shard
@@ -152,6 +156,8 @@ FITS = {
     "P1/dp2-dyn": ("P1", "dp2-dyn", {}),
     "D1/whole": ("D1", "whole", {}),
     "D1/dp2-mb2": ("D1", "dp2-mb2", {}),
+    "K1/whole": ("K1", "whole", {}),
+    "K1/dp2-mb2": ("K1", "dp2-mb2", {}),
     "D2/whole": ("D2", "whole", {}),
     "D2/pack-mb2": ("D2", "pack-mb2", {}),
     "D2/dp2-dyn": ("D2", "dp2-dyn", {}),
@@ -171,6 +177,7 @@ PAIRS = [
     ("C1/whole", "C1/dp2-mb2"),  # CISPO: FSDP2 dp=2, 2 micro-batches per rank
     ("P1/whole", "P1/dp2-dyn"),  # SAPO, seq-mean-token-mean: dp=2 with a token budget
     ("D1/whole", "D1/dp2-mb2"),  # distillation added to the policy loss: FSDP2 dp=2, 2 micro-batches per rank
+    ("K1/whole", "K1/dp2-mb2"),  # DPPO-Binary-TV: FSDP2 dp=2, 2 micro-batches per rank
     ("D2/whole", "D2/pack-mb2"),  # top-k forward KL: packed micro-batches
     ("D2/whole", "D2/dp2-dyn"),  # top-k forward KL: dp=2 with a token budget
     # the sequence axis (workers/sequence.py): packed vs padded, Ulysses sp=2, dp=2 x sp=2, sp=2 with
@@ -369,12 +376,14 @@ def test_grad_clipping_was_active(fits):
         assert min(norms) > 0.5 * 1.5, f"{name}: actor grad norms {norms} do not exceed actor.grad_clip=0.5"
 
 
-def test_cispo_sapo_and_distillation_terms_act(fits):
+def test_cispo_sapo_dppo_and_distillation_terms_act(fits):
     """The new objectives' families compare something: CISPO's clip changes weights (the second
-    epoch's ratios leave [0, 1.28]), SAPO's gate leaves 1 off-policy, the teacher's KL is not 0."""
+    epoch's ratios leave [0, 1.28]), DPPO's trust region drops tokens, SAPO's gate leaves 1
+    off-policy, the teacher's KLs are not 0."""
     cispo = [h for h in fits["C1/whole"].steps()]
     assert max(h["actor/pg_clipfrac"] for h in cispo) > 0, "C1: CISPO's clip never changed a weight"
     assert min(h["actor/pg_is_weight_mean"] for h in cispo) != max(h["actor/pg_is_weight_mean"] for h in cispo)
+    assert max(h["actor/pg_clipfrac"] for h in fits["K1/whole"].steps()) > 0, "K1: no token left DPPO's trust region"
     gates = [h["actor/pg_gate_weight_mean"] for h in fits["P1/whole"].steps()]
     assert min(gates) < 1 - 1e-4, f"P1: SAPO's gate weights {gates} stayed at 1 (on-policy everywhere)"
     distill = fits["D1/whole"].steps()

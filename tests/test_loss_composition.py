@@ -72,6 +72,7 @@ GEO_OWN_CLIP = (0.25, 0.35)  # geo_mean's clip set through actor.policy_loss_opt
 CISPO_EPS = (1.0, 0.28)  # cispo's own default (epsilon_low, epsilon_high): no lower bound, weight <= 1.28
 CISPO_OWN_EPS = (CLIP_LOW, CLIP_HIGH)  # set through actor.policy_loss_options: both bounds act
 SAPO_TAU = (1.0, 1.05)  # sapo's own default (tau_pos, tau_neg), the paper's
+DPPO_DELTA = 0.2  # dppo's default trust region (delta_low = delta_high)
 SAPO_OWN_TAU = (0.6, 2.5)  # set through actor.policy_loss_options
 ENTROPY_COEFF, KL_COEF = 0.05, 0.27
 CLIPRANGE_VALUE = 0.3
@@ -382,6 +383,21 @@ def policy_per_token(name, log_prob, old_log_prob, advantages, mask, geo_clip=GE
         p = 1.0 / (1.0 + torch.exp(-tau * (ratio - 1.0)))
         loss = -advantages * 4.0 * p / tau
         stats["pg_gate_weight_mean"] = (4.0 * p * (1.0 - p)).detach()
+    elif name in ("dppo_tv", "dppo_kl"):
+        # DPPO (arXiv 2602.04879): -A * sg(min(r, c)) * log pi inside the trust region, nothing
+        # outside it; the region bounds the sampled token's probability change (tv) or its
+        # Bernoulli's KL (kl), in the direction the token's advantage pushes (A > 0: rising)
+        p, p_old = torch.exp(log_prob.detach()), torch.exp(old_log_prob)
+        if name == "dppo_tv":
+            outside = torch.where(pos, p - p_old > DPPO_DELTA, p_old - p > DPPO_DELTA)
+        else:
+            binary_kl = p_old * (old_log_prob - log_prob.detach()) + (1 - p_old) * torch.log((1 - p_old) / (1 - p))
+            outside = torch.where(pos, (p > p_old) & (binary_kl > DPPO_DELTA), (p < p_old) & (binary_kl > DPPO_DELTA))
+        kept = (~outside).to(F64)
+        r = ratio.detach()
+        loss = -advantages * torch.clamp(r, max=CLIP_C) * log_prob * kept
+        stats["pg_clipfrac"] = 1.0 - kept
+        stats["pg_clipfrac_lower"] = (r > CLIP_C).to(F64) * kept
     elif name == "nll":
         # SFT: the negative log-likelihood of each token; no ratio (ppo_kl 0)
         loss = -log_prob

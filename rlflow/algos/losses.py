@@ -771,6 +771,76 @@ def compute_policy_loss_sapo(batch: Batch, meta, options: SAPOOptions):
     return pg_loss, metrics
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPPOOptions(LossOptions):
+    """DPPO's trust region: delta_high bounds how far a token with A > 0 may rise, delta_low how
+    far one with A <= 0 may fall, in the divergence of the loss (dppo_tv: the change of the
+    token's probability; dppo_kl: the binary KL). The IS weight is truncated at clip_ratio_c (the
+    actor section's). 0.2 / 0.2 are the thresholds of the authors' verl code (its clip_ratio
+    defaults)."""
+
+    delta_low: float = 0.2
+    delta_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    section_defaults = ("clip_ratio_c",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_option("delta_low", self.delta_low, lambda v: v > 0, "> 0")
+        _check_option("delta_high", self.delta_high, lambda v: v > 0, "> 0")
+        _check_option("clip_ratio_c", self.clip_ratio_c, lambda v: v > 1.0, "> 1.0")
+
+
+def _dppo_loss(batch: Batch, meta, options: DPPOOptions, outside: Callable):
+    """-A * sg(min(r, c)) * log pi on the tokens inside the trust region, 0 on the others (their
+    gradient dropped); `outside(prob, old_prob, rising)` says which tokens left it in the
+    direction their advantage pushes (rising: A > 0)."""
+    log_prob, advantages, mask = batch["log_probs"], batch["advantages"], batch["response_mask"]
+    old_log_prob = batch["old_log_probs"]
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio).detach()
+    prob, old_prob = torch.exp(log_prob.detach()), torch.exp(old_log_prob)
+    rising = advantages > 0
+    kept = (~outside(prob, old_prob, rising)).to(log_prob.dtype)
+    weight = torch.clamp(ratio, max=options.clip_ratio_c)
+    per_token_loss = -advantages * weight * log_prob * kept
+    pg_loss = aggregate_policy(per_token_loss, batch, meta, options)
+    return pg_loss, policy_metrics(pg_loss, meta, mask, ppo_kl=-log_ratio, pg_clipfrac=1.0 - kept,
+                                   pg_clipfrac_lower=(ratio > options.clip_ratio_c).to(log_prob.dtype) * kept)
+
+
+@register_policy_loss("dppo_tv", options=DPPOOptions)
+def compute_policy_loss_dppo_tv(batch: Batch, meta, options: DPPOOptions):
+    """DPPO-Binary-TV (Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning",
+    arXiv 2602.04879): the trust region bounds the total variation of the sampled token's
+    Bernoulli (it, or not it), |pi - pi_old|, instead of the ratio. A token with A > 0 leaves it
+    when pi - pi_old > delta_high, one with A <= 0 when pi_old - pi > delta_low; the others keep
+    the policy gradient -A * sg(min(r, c)) grad log pi. pg_clipfrac: tokens outside;
+    pg_clipfrac_lower: tokens inside whose weight the truncation at c changed."""
+
+    def outside(prob, old_prob, rising):
+        return torch.where(rising, prob - old_prob > options.delta_high, old_prob - prob > options.delta_low)
+
+    return _dppo_loss(batch, meta, options, outside)
+
+
+@register_policy_loss("dppo_kl", options=DPPOOptions)
+def compute_policy_loss_dppo_kl(batch: Batch, meta, options: DPPOOptions):
+    """DPPO-Binary-KL (the same paper): the divergence is the KL of the sampled token's Bernoulli,
+    pi_old log(pi_old / pi) + (1 - pi_old) log((1 - pi_old) / (1 - pi)); a token with A > 0 leaves
+    the trust region when pi rose and that KL > delta_high, one with A <= 0 when pi fell and it is
+    > delta_low. Otherwise as dppo_tv."""
+
+    def outside(prob, old_prob, rising):
+        tiny = torch.finfo(prob.dtype).tiny
+        binary_kl = (old_prob * (torch.log(old_prob + tiny) - torch.log(prob + tiny))
+                     + (1 - old_prob) * (torch.log1p(-old_prob + tiny) - torch.log1p(-prob + tiny)))
+        return torch.where(rising, (prob > old_prob) & (binary_kl > options.delta_high),
+                           (prob < old_prob) & (binary_kl > options.delta_low))
+
+    return _dppo_loss(batch, meta, options, outside)
+
+
 @register_policy_loss("nll", inputs=("log_probs", "response_mask"))
 def compute_policy_loss_nll(batch: Batch, meta, options: LossOptions):
     """Supervised fine-tuning's loss: the negative log-likelihood of each response token,
