@@ -76,7 +76,8 @@ from typing import Callable
 from rlflow.agents.tools import HermesToolParser
 from rlflow.plugins import load_file
 
-__all__ = ["ChatRenderer", "EndpointCall", "EndpointError", "OpenAIEndpoint", "Session", "load_tool_parser"]
+__all__ = ["ChatRenderer", "EndpointCall", "EndpointError", "OpenAIEndpoint", "Session", "load_tool_parser",
+           "require_server_packages"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,16 @@ class Session:
         self.ids += ids
         self.mask += [int(sampled)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+
+def require_server_packages() -> None:
+    """The endpoint's packages, checked before Ray starts."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"rollout.agent.fn needs {', '.join(missing)} (the rollout's OpenAI endpoint and the client "
+                          "the agent gets): pip install 'rlflow[agents]'")
 
 
 def load_tool_parser(spec: str):

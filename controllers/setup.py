@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from controllers import cluster
 from controllers.agent_loop import AgentLoop
 from controllers.endpoint_loop import EndpointAgentLoop
-from controllers.openai_endpoint import load_tool_parser
+from controllers.openai_endpoint import load_tool_parser, require_server_packages
 from controllers.roles import Role, RunContext
 from controllers.rollout_source import (GeneratingSource, RecordingSource, ReplaySource, RolloutQueue, Scorer,
                                        StreamingQueue)
@@ -164,6 +164,7 @@ def check_env_and_reward_model(cfg: RLFlowConfig) -> None:
     if cfg.rollout.agent.env:
         load_env_class(cfg.rollout.agent.env)
     if cfg.rollout.agent.fn:  # the function and the endpoint's tool parser
+        require_server_packages()
         load_agent_fn(cfg.rollout.agent.fn)
         load_tool_parser(cfg.rollout.agent.tool_parser)
     if cfg.reward_model.enable:

@@ -1,0 +1,1 @@
+"""Example agents written as plain code (rollout.agent.fn)."""
