@@ -173,3 +173,44 @@ def test_gymnasium_env_in_a_fit(ray_session, model_dir, tmp_path):
         assert ids[:len(first)] == first and batch["response_mask"][row, :len(first)].sum() == 0
     assert torch.isfinite(batch["token_level_scores"]).all() and width > 0
     assert "agent/turns_mean" in history[-1]
+
+
+def test_openenv_environment_in_process():
+    """An OpenEnv Environment (the class its servers serve) built from the library's classes: the
+    action class comes from Environment[ActT, ObsT, StateT], the text fields from the models."""
+    pytest.importorskip("openenv", reason="the agent-envs extra: pip install 'rlflow[agent-envs]'")
+    from rlflow.agents.adapters import OpenEnvEnv
+
+    load = os.path.join(os.path.dirname(__file__), "agent_adapter_openenv.py") + ":ReverseEnvironment"
+    env = OpenEnvEnv(load)
+    row = {"source_prompt": {"prompt": "reverse"}, "ground_truth": "", "extra_info": {"seed": 1}}
+    first = env.reset(row)
+    word = first.removeprefix("reverse ")
+    assert first.startswith("reverse ") and word
+    miss = env.step("zz")
+    assert (miss.observation, miss.reward, miss.done) == ("no", 0.0, False)
+    hit = env.step(word[::-1])
+    assert hit.done and hit.reward == 1.0 and hit.info == {"tries": 2, "acc": 1.0}
+    again = OpenEnvEnv(load, load_kwargs={"tries": 1})
+    assert again.reset(row) == first  # the row's seed: the same word (replay)
+    lost = again.step("zz")
+    assert lost.done and lost.reward == 0.0 and lost.info["acc"] == 0.0 and lost.observation == ""
+    with pytest.raises(ValueError, match="no field 'msg'"):
+        OpenEnvEnv(load, action_field="msg")
+
+
+@pytest.mark.timeout(300)
+def test_openenv_environment_in_a_fit(ray_session, model_dir, tmp_path):
+    pytest.importorskip("openenv", reason="the agent-envs extra: pip install 'rlflow[agent-envs]'")
+    from transformers import AutoTokenizer
+
+    load = os.path.join(os.path.dirname(__file__), "agent_adapter_openenv.py") + ":ReverseEnvironment"
+    history, batch = _fit(model_dir, str(tmp_path / "openenv"), {
+        "rollout.agent.env": "rlflow.agents.adapters:OpenEnvEnv", "rollout.agent.env_kwargs.load": load,
+        "rollout.agent.num_workers": 0})
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reverse = tok.encode("reverse ", add_special_tokens=False)
+    for row in range(batch.batch_size[0]):  # the reset's observation, after the prompt, untrained
+        assert batch["responses"][row, :len(reverse)].tolist() == reverse
+        assert batch["response_mask"][row, :len(reverse)].sum() == 0
+    assert "agent/turns_mean" in history[-1]

@@ -6,6 +6,9 @@
     rollout.agent.env=rlflow.agents.adapters:GymnasiumEnv
     rollout.agent.env_kwargs.env_id=my_pkg:Guess-v0               # gymnasium.make's id
 
+    rollout.agent.env=rlflow.agents.adapters:OpenEnvEnv
+    rollout.agent.env_kwargs.load=my_env.py:MyEnvironment         # an OpenEnv Environment
+
 Both are ordinary ``rlflow.agents.Environment`` subclasses, so the loop's guarantees hold unchanged:
 the model's turn reaches the library as text decoded from the sampled ids, and what the library
 answers is appended as text encoded once; the sampled ids are never re-tokenised. They run in the
@@ -33,6 +36,9 @@ verifiers 0.4.0 dropped that API (the package holds only ``verifiers.v1``, where
 black-box agent program against an intercepting OpenAI-compatible proxy, with no per-turn
 ``env_response``): such agents belong to an OpenAI-compatible endpoint, not to ``step``.
 
+**OpenEnv** (``OpenEnvEnv``, in the same extra): an ``openenv.core.env_server.Environment`` (what an
+OpenEnv server serves) run in process; see the class.
+
 **gymnasium** (1.x, in the same extra): an ``Env`` whose observations and actions are strings.
 ``reset(row)`` calls ``env.reset(seed=..., options=...)`` (the seed: ``extra_info["seed"]`` or a
 stable hash of the row; the options: ``extra_info["gym_options"]``) and returns its observation
@@ -56,7 +62,7 @@ from typing import Any, Callable
 
 from rlflow.agents import Environment, StepResult
 
-__all__ = ["VerifiersEnv", "GymnasiumEnv", "verifiers_rows", "load_function"]
+__all__ = ["VerifiersEnv", "GymnasiumEnv", "OpenEnvEnv", "verifiers_rows", "load_function"]
 
 _EXTRA_HINT = "pip install 'rlflow[agent-envs]' (or pip install {package})"
 
@@ -412,3 +418,85 @@ class GymnasiumEnv(Environment):
             self.env.close()
         return StepResult(observation=self._check(observation, f"{self.env_id}.step"), reward=reward,
                           done=done, info={k: v for k, v in info.items() if isinstance(v, (int, float, str, bool))})
+
+
+# -- OpenEnv -------------------------------------------------------------------------------------------
+
+_BASE_FIELDS = ("done", "reward", "metadata")
+
+
+def _text_field(model_cls, given: str | None, what: str) -> str:
+    """The field of a pydantic Action/Observation class that holds the text: ``given``, else its one
+    str field besides the base class's."""
+    fields = getattr(model_cls, "model_fields", {})
+    if given is not None:
+        if given not in fields:
+            raise ValueError(f"OpenEnvEnv: {model_cls.__name__} has no field {given!r} ({what}_field); "
+                             f"fields: {sorted(fields)}")
+        return given
+    text = [name for name, f in fields.items() if name not in _BASE_FIELDS and f.annotation is str]
+    if len(text) != 1:
+        raise ValueError(f"OpenEnvEnv: cannot tell which field of {model_cls.__name__} is the {what} text "
+                         f"(str fields: {text}); set rollout.agent.env_kwargs.{what}_field")
+    return text[0]
+
+
+def _generic_args(env) -> tuple:
+    """(ActT, ObsT, StateT) of an ``openenv Environment[ActT, ObsT, StateT]`` subclass, else ()."""
+    import typing
+
+    for klass in type(env).__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            args = typing.get_args(base)
+            if len(args) == 3 and all(isinstance(a, type) for a in args):
+                return args
+    return ()
+
+
+class OpenEnvEnv(Environment):
+    """An OpenEnv environment (``openenv.core.env_server.Environment``: the class an OpenEnv server
+    serves) run in the pool's process, one instance per trajectory, no server in between.
+
+    ``load``: import path of a function (or class) returning the environment; ``load_kwargs``: its
+    arguments. The model's turn becomes ``ActionCls(**{action_field: turn})`` (the action class: the
+    environment's ``Environment[ActT, ObsT, StateT]`` argument, or ``action`` given as an import
+    path); an observation's text is its ``observation_field`` (default: the observation class's one
+    str field besides done/reward/metadata). ``reset`` seeds the environment from the row
+    (``extra_info["seed"]`` or a hash of the row) and returns its observation's text; ``step``
+    returns ``StepResult(text, reward or 0, done, info)`` with ``info["acc"]`` the observation's
+    ``metadata["acc"]``, else 1 when the final reward is positive."""
+
+    def __init__(self, load: str, load_kwargs: dict | None = None, action: str | None = None,
+                 action_field: str | None = None, observation_field: str | None = None):
+        _require("openenv.core.env_server.interfaces", "openenv")
+        self.env = load_function(load)(**dict(load_kwargs or {}))
+        args = _generic_args(self.env)
+        if action is not None:
+            self.action_cls = load_function(action, "rollout.agent.env_kwargs.action")
+        elif args:
+            self.action_cls = args[0]
+        else:
+            raise ValueError(f"OpenEnvEnv: {type(self.env).__name__} does not declare its action class "
+                             "(Environment[ActT, ObsT, StateT]); set rollout.agent.env_kwargs.action")
+        self.action_field = _text_field(self.action_cls, action_field, "action")
+        self.observation_field = observation_field
+
+    def _text(self, observation) -> str:
+        field = _text_field(type(observation), self.observation_field, "observation")
+        self.observation_field = field
+        value = getattr(observation, field)
+        return "" if value is None else str(value)
+
+    def reset(self, row: dict) -> str:
+        observation = self.env.reset(seed=_row_seed(row))
+        return self._text(observation)
+
+    def step(self, model_turn: str) -> StepResult:
+        observation = self.env.step(self.action_cls(**{self.action_field: model_turn}))
+        reward = float(observation.reward or 0.0)
+        done = bool(observation.done)
+        info = {k: v for k, v in (observation.metadata or {}).items() if isinstance(v, (int, float, str, bool))}
+        if done:
+            info["acc"] = float(info.get("acc", float(reward > 0)))
+            self.env.close()
+        return StepResult(observation="" if done else self._text(observation), reward=reward, done=done, info=info)
