@@ -290,3 +290,30 @@ def test_openai_agent_fn_log_probs_equal_the_actors_forward(agent_fit):
     assert mask.sum() > 0
     diff = (log_probs[mask] - batch["rollout_log_probs"][mask]).abs().max().item()
     assert diff < 1e-5, diff
+
+
+def test_openai_calculator_agent_trajectory_is_the_calc_episode_layout(tiny_model_dir):
+    """The recipe's agent (rlflow/agents/examples/calculator_openai.py) through the endpoint with its
+    CompactCalls parser: the model's "@a+b" turn comes back as a calculator tool call, the agent's
+    tool message "=sum" and the final answer make the trajectory the calculator environment's agent
+    loop lays out (prompt, call + EOS, "=sum", answer + EOS): the layout the warm start trains on."""
+    from transformers import AutoTokenizer
+
+    from rlflow.agents.examples.calculator_openai import solve
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # the tiny chat template
+    engine = ScriptedEngine(tok, ["@48213+9975", "58188"])
+    endpoint = _endpoint(tok, engine, tool_parser="rlflow.agents.examples.calculator_openai:CompactCalls")
+    try:
+        url = endpoint.open(1)[0]
+        result = solve({"raw_prompt": "48213+9975=", "ground_truth": "58188"},
+                       openai.OpenAI(base_url=url, api_key="none", max_retries=0))
+        session = endpoint.close_rollout()[0]
+    finally:
+        endpoint.stop()
+    assert result == {"reward": 1.0, "acc": 1.0}
+    eos = tok.eos_token_id
+    call, observation, answer = (tok.encode(t, add_special_tokens=False) for t in ("@48213+9975", "=58188", "58188"))
+    assert session.prompt == tok("48213+9975=")["input_ids"]
+    assert session.ids == call + [eos] + observation + answer + [eos]
+    assert session.mask == [1] * (len(call) + 1) + [0] * len(observation) + [1] * (len(answer) + 1)
