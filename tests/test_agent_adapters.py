@@ -214,3 +214,23 @@ def test_openenv_environment_in_a_fit(ray_session, model_dir, tmp_path):
         assert batch["responses"][row, :len(reverse)].tolist() == reverse
         assert batch["response_mask"][row, :len(reverse)].sum() == 0
     assert "agent/turns_mean" in history[-1]
+
+
+def test_verifiers_calculator_plays_as_calculator_env():
+    """configs/calculator_verifiers.yaml's environment (a verifiers MultiTurnEnv) gives the episodes
+    of rlflow's CalculatorEnv: the same observations, rewards and acc for the same turns."""
+    from rlflow.agents.calculator import CalculatorEnv
+    from rlflow.data.synthetic import make_synthetic_rows
+
+    row = make_synthetic_rows("calc", 1, seed=3, split="train")[0]
+    a, b = row["prompt"].rstrip("=").split("+")
+    rl_row = {"ground_truth": row["reward_model"]["ground_truth"], "data_source": row["data_source"],
+              "extra_info": {}, "raw_prompt": row["prompt"], "source_prompt": {"prompt": row["prompt"]}}
+    load = "rlflow.agents.examples.calculator_verifiers:load_environment"
+    for turns in ([f"@{a}+{b}", row["reward_model"]["ground_truth"]], ["@1+", f"@{a}+{b}", "0"], ["12"]):
+        ours, theirs = CalculatorEnv(), VerifiersEnv(load)
+        assert ours.reset(rl_row) == theirs.reset(rl_row) == ""
+        for turn in turns:
+            want, got = ours.step(turn), theirs.step(turn)
+            assert (got.observation, got.reward, got.done) == (want.observation, want.reward, want.done), turns
+        assert got.info["acc"] == want.info["acc"]
