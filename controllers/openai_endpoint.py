@@ -41,8 +41,8 @@ within what is left of data.max_response_length for the trajectory; a trajectory
 answered with no tokens and finish_reason "length". ``n`` > 1 is refused (a trajectory is one sequence).
 
 **Batching.** Requests are queued; an engine thread takes the first, collects more until it has
-``concurrency`` of them (the number of agents that run at once: rollout.agent.num_workers) or
-``batch_window_s`` has passed, and answers all of them with one generate call (max_new_tokens: the
+``concurrency`` of them (the number of agents that run at once: rollout.agent.num_workers) or none
+has come for ``batch_window_s`` (20 ms; 200 ms at most in all), and answers all of them with one generate call (max_new_tokens: the
 largest asked; each answer is cut to its own limit: a prefix of a sample is a sample). While the
 engine works, new requests queue, so concurrent agents share engine calls.
 
@@ -357,9 +357,12 @@ class OpenAIEndpoint:
             if first is None:
                 return
             batch = [first]
+            # whatever is queued, and, while fewer than concurrency wait, more as long as they keep
+            # coming: each arrival gives batch_window_s more, up to 10 windows in all
+            cap = time.monotonic() + 10 * self.batch_window_s
             deadline = time.monotonic() + self.batch_window_s
             stop = False
-            while True:  # whatever is queued, and more while fewer than concurrency wait
+            while True:
                 left = deadline - time.monotonic()
                 try:
                     if len(batch) < self.concurrency and left > 0:
@@ -372,6 +375,7 @@ class OpenAIEndpoint:
                     stop = True
                     break
                 batch.append(item)
+                deadline = min(time.monotonic() + self.batch_window_s, cap)
             self._answer(batch)
             if stop:
                 return
