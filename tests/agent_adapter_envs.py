@@ -68,6 +68,16 @@ def calc() -> vf.Environment:
     return CalcEnv(dataset=dataset(), rubric=vf.Rubric(funcs=[exact]), max_turns=3)
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def tools() -> vf.Environment:
+    """The library's ToolEnv with one Python tool: a model turn with a call gets the tool's message."""
+    return vf.ToolEnv(dataset=dataset(), tools=[add], rubric=vf.Rubric(funcs=[exact]), max_turns=3)
+
+
 class GuessEnv(gym.Env):
     """Guess a digit: each guess is answered "higher" / "lower"; a right guess ends with reward 1."""
 

@@ -234,3 +234,16 @@ def test_verifiers_calculator_plays_as_calculator_env():
             want, got = ours.step(turn), theirs.step(turn)
             assert (got.observation, got.reward, got.done) == (want.observation, want.reward, want.done), turns
         assert got.info["acc"] == want.info["acc"]
+
+
+def test_verifiers_tool_env_reads_hermes_tool_calls():
+    """vf.ToolEnv reads the model's tool_calls: with tool_parser="hermes" a turn's <tool_call> JSON
+    becomes one, the library calls the tool, and its tool message is the observation."""
+    rows = verifiers_rows(f"{ENVS}:tools")
+    env = VerifiersEnv(f"{ENVS}:tools", tool_parser="hermes")
+    env.reset(rows[0])
+    call = env.step('<tool_call>{"name": "add", "arguments": {"a": 12, "b": 3}}</tool_call>')
+    assert not call.done and call.observation == "15"
+    final = env.step("15")  # no call: the library's no_tools_called stop condition
+    assert final.done and final.reward == 1.0 and final.info["total_tool_calls"] == 1.0
+    assert final.info["stop_condition"] == "no_tools_called"

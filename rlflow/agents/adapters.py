@@ -240,11 +240,29 @@ class _TurnClient:
         return cls.cls()
 
 
-def _response(text: str):
-    from verifiers.types import Response, ResponseMessage
+def _tool_parser(spec):
+    """None, "hermes" (rlflow.agents.tools.HermesToolParser) or an import path of a class built
+    without arguments whose ``parse(text)`` returns None, a call or a list of calls (``.name`` and
+    ``.arguments``, a JSON string)."""
+    if spec is None:
+        return None
+    if spec == "hermes":
+        from rlflow.agents.tools import HermesToolParser
 
+        return HermesToolParser()
+    return load_function(spec, "rollout.agent.env_kwargs.tool_parser")()
+
+
+def _response(text: str, parser=None):
+    from verifiers.types import Response, ResponseMessage, ToolCall
+
+    calls = parser.parse(text) if parser is not None else None
+    if calls is not None and not isinstance(calls, (list, tuple)):
+        calls = [calls]
+    tool_calls = [ToolCall(id=f"call_{i}", name=c.name, arguments=c.arguments) for i, c in enumerate(calls or [])]
     return Response(id=uuid.uuid4().hex, created=int(time.time()), model="rlflow",
-                    message=ResponseMessage(content=text, finish_reason="stop", is_truncated=False))
+                    message=ResponseMessage(content=text, finish_reason="tool_calls" if tool_calls else "stop",
+                                            is_truncated=False, tool_calls=tool_calls or None))
 
 
 class VerifiersEnv(Environment):
@@ -257,10 +275,13 @@ class VerifiersEnv(Environment):
     render a tool or user message as its text, as the tiny model's chat template does (for a
     ChatML model: ``"<|im_start|>{role}\\n{content}<|im_end|>\\n"`` and
     ``"<|im_start|>assistant\\n"``). ``timeout_s``: the longest wait for the library between turns
-    (the pool's rollout.agent.timeout_s bounds each call too)."""
+    (the pool's rollout.agent.timeout_s bounds each call too). ``tool_parser``: for environments
+    that read the model's tool calls (``vf.ToolEnv``): ``"hermes"`` (``<tool_call>{json}</tool_call>``)
+    or an import path (see _tool_parser); the turn's text stays the message's content."""
 
     def __init__(self, load: str, load_kwargs: dict | None = None, message_format: str = "{content}",
-                 generation_prompt: str = "", timeout_s: float = 600.0):
+                 generation_prompt: str = "", timeout_s: float = 600.0, tool_parser: str | None = None):
+        self.parser = _tool_parser(tool_parser)
         self.load = load
         self.load_kwargs = dict(load_kwargs or {})
         self.message_format = message_format
@@ -302,7 +323,7 @@ class VerifiersEnv(Environment):
 
     async def _answer(self, text: str):
         _, future = self.client.request
-        future.set_result(_response(text))
+        future.set_result(_response(text, self.parser))
         return await self._next()
 
     async def _cancel(self):
