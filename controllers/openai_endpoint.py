@@ -118,6 +118,7 @@ class Session:
     segment_calls: int = 0  # the current segment's calls
     dropped_calls: int = 0  # calls of earlier segments
     lock: asyncio.Lock | None = None
+    closed: bool = False  # its rollout ended: nothing more is recorded
 
     def new_segment(self, prompt: list[int], kind: str) -> None:
         self.dropped_calls += self.segment_calls
@@ -273,7 +274,7 @@ class OpenAIEndpoint:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._server = self._thread = self._engine_thread = None
+        self._server = self._thread = self._engine_thread = self._loop = None
         self.port: int | None = None
 
     @property
@@ -295,8 +296,13 @@ class OpenAIEndpoint:
         config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=60)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="rlflow-openai-endpoint", daemon=True)
+        self._loop = asyncio.new_event_loop()
+
+        def serve():
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._server.serve(sockets=[sock]))
+
+        self._thread = threading.Thread(target=serve, name="rlflow-openai-endpoint", daemon=True)
         self._thread.start()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="rlflow-openai-engine", daemon=True)
         self._engine_thread.start()
@@ -313,7 +319,7 @@ class OpenAIEndpoint:
         self._queue.put(None)
         self._thread.join(timeout=10)
         self._engine_thread.join(timeout=10)
-        self._thread = self._engine_thread = self._server = None
+        self._thread = self._engine_thread = self._server = self._loop = None
 
     @property
     def base(self) -> str:
@@ -331,14 +337,27 @@ class OpenAIEndpoint:
         return [f"{self.base}/rlflow/{self.rollout_key}/{i}/v1" for i in range(count)]
 
     def close_rollout(self) -> dict[int, Session]:
-        with self._lock:
-            sessions, self.sessions, self.rollout_key = self.sessions, {}, None
-        return sessions
+        """Ends the rollout's sessions and returns them. Taken in the server's event loop, where
+        sessions change (between two awaits), so each is whole; a call still waiting on the engine
+        (an episode whose process was killed) then records nothing."""
+        def take() -> dict[int, Session]:
+            with self._lock:
+                sessions, self.sessions, self.rollout_key = self.sessions, {}, None
+            for session in sessions.values():
+                session.closed = True
+            return sessions
+
+        async def in_loop():
+            return take()
+
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            return asyncio.run_coroutine_threadsafe(in_loop(), self._loop).result(timeout=60)
+        return take()
 
     def _session(self, rollout: str, index: int) -> Session:
         with self._lock:
             session = self.sessions.get(index) if rollout == self.rollout_key else None
-        if session is None:
+        if session is None or session.closed:
             raise KeyError(f"no open trajectory {rollout}/{index}: use the base_url given to the agent for this "
                            "episode (its rollout may have ended)")
         if session.lock is None:
@@ -463,6 +482,8 @@ class OpenAIEndpoint:
             ids, log_probs = [], []
         else:
             ids, log_probs = await asyncio.wrap_future(self.submit(context, max_new))
+            if session.closed:
+                raise KeyError("the rollout of this trajectory ended while its call waited on the engine")
         stopped = bool(ids) and ids[-1] == self.tokenizer.eos_token_id  # the engine stops on EOS only
         finish = "stop" if stopped else "length"
         version = self.weight_version() if self.weight_version is not None else None
@@ -518,6 +539,8 @@ class OpenAIEndpoint:
                     call = await self._generate(session, self._max_new(body, session))
                 except EndpointError as err:
                     return error(400, str(err))
+                except KeyError as err:
+                    return error(404, str(err.args[0]), "not_found_error")
                 except Exception as err:  # noqa: BLE001 - the engine's error: the loop raises it too
                     logger.exception("the OpenAI endpoint's engine call failed")
                     return error(500, f"the rollout engine failed: {type(err).__name__}: {err}", "server_error")

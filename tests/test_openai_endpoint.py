@@ -317,3 +317,38 @@ def test_openai_calculator_agent_trajectory_is_the_calc_episode_layout(tiny_mode
     assert session.prompt == tok("48213+9975=")["input_ids"]
     assert session.ids == call + [eos] + observation + answer + [eos]
     assert session.mask == [1] * (len(call) + 1) + [0] * len(observation) + [1] * (len(answer) + 1)
+
+
+def test_openai_endpoint_a_call_waiting_when_its_rollout_ends_records_nothing(tokenizer):
+    """An episode whose process was killed may leave a call waiting on the engine: once the rollout's
+    sessions are taken (close_rollout), its answer is not recorded and the call gets 404."""
+    tok = tokenizer
+    release = threading.Event()
+
+    def slow_engine(contexts, max_new_tokens):
+        release.wait(10)
+        return [(tok.encode("7", add_special_tokens=False) + [tok.eos_token_id], [-0.5, -0.5]) for _ in contexts]
+
+    endpoint = _endpoint(tok, slow_engine)
+    errors = []
+
+    def call(url):
+        try:
+            openai.OpenAI(base_url=url, api_key="none", max_retries=0).completions.create(model="policy", prompt="1=")
+        except openai.NotFoundError as err:
+            errors.append(err)
+
+    try:
+        url = endpoint.open(1)[0]
+        thread = threading.Thread(target=call, args=(url,))
+        thread.start()
+        while not endpoint.sessions[0].prompt:  # the call is in (the session is taken in the server's loop, after it)
+            threading.Event().wait(0.01)
+        session = endpoint.close_rollout()[0]
+        snapshot = (list(session.prompt), list(session.ids), len(session.calls))
+        release.set()
+        thread.join(10)
+    finally:
+        endpoint.stop()
+    assert len(errors) == 1 and "ended while its call waited" in str(errors[0])
+    assert (session.prompt, session.ids, len(session.calls)) == snapshot == (tok("1=")["input_ids"], [], 0)
