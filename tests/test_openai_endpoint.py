@@ -206,6 +206,8 @@ def agent_fit(ray_session, tmp_path_factory):
     cfg = load_config(None, tiny_overrides(model_dir, **{
         "rollout.agent.fn": f"{AGENTS}:three_calls", "rollout.agent.num_workers": 2, "rollout.agent.on_error": "zero",
         "data.max_response_length": 40, "algorithm.adv_estimator": "grpo", "trainer.total_steps": 1,
+        # one mini-batch: the actor's log-probs of every micro-batch are taken before its one optimizer step
+        "actor.ppo_mini_batch_size": 16,
         "trainer.default_local_dir": base, "trainer.record_rollouts": os.path.join(base, "rec"),
         "trainer.deterministic": True}))
     trainer = PPOTrainer(cfg)
@@ -271,13 +273,15 @@ def test_openai_agent_fn_batch_is_what_the_engine_sampled(agent_fit):
 
 
 def test_openai_agent_fn_log_probs_equal_the_actors_forward(agent_fit):
-    """The rollout log-probs of the sampled tokens equal a forward of the model that sampled them
-    (the step-0 weights, the tiny model's folder) on the assembled batch, within 1e-5."""
+    """The rollout log-probs of the sampled tokens equal the actor's forward on the assembled batch
+    (its rollout_corr/abs_diff_max: the largest |actor - rollout| over the sampled tokens, taken
+    before the step's one optimizer step), and a plain HF forward of the model folder, within 1e-5."""
     from transformers import AutoModelForCausalLM
 
     from controllers.rollout_source import read_recorded
 
-    _, _, base, model_dir = agent_fit
+    _, history, base, model_dir = agent_fit
+    assert history[-1]["rollout_corr/abs_diff_max"] < 1e-5
     batch = read_recorded(os.path.join(base, "rec"), 0).batch
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
