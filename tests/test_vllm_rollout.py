@@ -679,3 +679,42 @@ def test_tensor_parallel_engine_from_config(ray_session, tok, tiny_model_dir):
     finally:
         ray.get(actor.shutdown.remote(), timeout=120)
         ray.kill(actor)
+
+
+def test_openai_endpoint_agent_fn_with_vllm_log_probs(ray_session, tmp_path):
+    """rollout.agent.fn on vLLM: an agent of three OpenAI-client calls (tests/openai_agents.py) through
+    the rollout's endpoint; each call's sampled ids are in the batch as recorded, and their rollout
+    log-probs equal the HF actor's over the whole trajectory (tool and user messages in context)."""
+    import os
+
+    from conftest import tiny_overrides
+    from controllers.ppo import PPOTrainer
+    from controllers.rollout_source import read_recorded
+    from exactness_helpers import build_varied_length_model
+    from rlflow import load_config
+    from workers.forward import response_log_probs
+
+    model_dir = build_varied_length_model(str(tmp_path / "model"))
+    agents = os.path.join(os.path.dirname(__file__), "openai_agents.py")
+    cfg = load_config(None, tiny_overrides(model_dir, **{
+        "rollout.name": "vllm", "rollout.agent.fn": f"{agents}:three_calls", "rollout.agent.num_workers": 2,
+        "rollout.agent.on_error": "zero", "data.max_response_length": 40, "algorithm.adv_estimator": "grpo",
+        "trainer.total_steps": 1, "trainer.default_local_dir": str(tmp_path),
+        "trainer.record_rollouts": str(tmp_path / "rec")}))
+    trainer = PPOTrainer(cfg)
+    history = trainer.fit()
+    assert history[-1]["agent/endpoint_calls_mean"] == 3
+    batch = read_recorded(str(tmp_path / "rec"), 0).batch
+    width = batch["prompts"].shape[1]
+    for row, session in trainer.agent.last_sessions.items():
+        ids = batch["responses"][row].tolist()
+        position = 0
+        for call in session.calls:
+            start = len(call.prompt_ids) - len(session.prompt)
+            assert ids[start:start + len(call.ids)] == call.ids and start >= position
+            position = start + len(call.ids)
+        assert batch["prompts"][row][batch["attention_mask"][row, :width].bool()].tolist() == session.prompt
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        actor, _ = response_log_probs(_hf_model(model_dir), batch, 1.0)
+    assert _max_diff(batch["rollout_log_probs"], actor, mask) < TOL
