@@ -9,13 +9,10 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("verifiers", reason="the agent-envs extra: pip install 'rlflow[agent-envs]'")
-pytest.importorskip("gymnasium", reason="the agent-envs extra: pip install 'rlflow[agent-envs]'")
-
-from conftest import tiny_overrides  # noqa: E402
-from rlflow import load_config  # noqa: E402
-from rlflow.agents import load_env_class  # noqa: E402
-from rlflow.agents.adapters import GymnasiumEnv, VerifiersEnv, verifiers_rows  # noqa: E402
+from conftest import tiny_overrides
+from rlflow import load_config
+from rlflow.agents import load_env_class
+from rlflow.agents.adapters import GymnasiumEnv, VerifiersEnv, verifiers_rows
 
 ENVS = os.path.join(os.path.dirname(__file__), "agent_adapter_envs.py")
 GUESS = "agent_adapter_envs:rlflow-test/Guess-v0"
@@ -178,7 +175,6 @@ def test_gymnasium_env_in_a_fit(ray_session, model_dir, tmp_path):
 def test_openenv_environment_in_process():
     """An OpenEnv Environment (the class its servers serve) built from the library's classes: the
     action class comes from Environment[ActT, ObsT, StateT], the text fields from the models."""
-    pytest.importorskip("openenv", reason="the agent-envs extra: pip install 'rlflow[agent-envs]'")
     from rlflow.agents.adapters import OpenEnvEnv
 
     load = os.path.join(os.path.dirname(__file__), "agent_adapter_openenv.py") + ":ReverseEnvironment"
@@ -201,7 +197,6 @@ def test_openenv_environment_in_process():
 
 @pytest.mark.timeout(300)
 def test_openenv_environment_in_a_fit(ray_session, model_dir, tmp_path):
-    pytest.importorskip("openenv", reason="the agent-envs extra: pip install 'rlflow[agent-envs]'")
     from transformers import AutoTokenizer
 
     load = os.path.join(os.path.dirname(__file__), "agent_adapter_openenv.py") + ":ReverseEnvironment"
