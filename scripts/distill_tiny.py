@@ -14,6 +14,8 @@ mostly wrong). Both are built locally and cached (~45 s of SFT each the first ti
   and logged but nothing trains on them.
 - grpo: the default GRPO run on the task's reward (no teacher), the same steps and batch.
 - grpo+distill: the GRPO loss with the distillation term added (actor.distill.coef=1).
+- distill-topk (not in the default arms): pure distillation by the forward KL from the teacher's top
+  8 tokens at each sampled position (actor.distill.top_k=8) instead of the sampled token's reverse KL.
 
 Prints the teacher's and the student's greedy validation accuracy before training, then each arm's
 validation accuracy at every evaluation and its wall time, and writes them as a markdown table.
@@ -47,8 +49,11 @@ def run_arm(name: str, overrides: list[str], workdir: str) -> tuple[list[tuple[i
     history = RLFlow(cfg).fit()
     seconds = time.time() - start
     curve = [(record["step"], record["val/acc_mean"]) for record in history if "val/acc_mean" in record]
-    kl = [record["actor/distill_reverse_kl"] for record in history if "actor/distill_reverse_kl" in record]
-    # the sampled reverse KL: the mean of the first and of the last 5 steps
+    # the sampled reverse KL (the top-k arm logs its forward KL instead): the mean of the first and
+    # of the last 5 steps
+    key = "actor/distill_forward_kl" if any("actor/distill_forward_kl" in record for record in history) \
+        else "actor/distill_reverse_kl"
+    kl = [record[key] for record in history if key in record]
     kl_ends = (sum(kl[:5]) / len(kl[:5]), sum(kl[-5:]) / len(kl[-5:])) if kl else None
     return curve, seconds, kl_ends
 
@@ -83,6 +88,8 @@ def main() -> None:
         "grpo": common,
         # both: the GRPO loss plus the distillation term
         "grpo+distill": common + ["actor.distill.coef=1.0", "teacher.enable=true", f"teacher.model.path={teacher_dir}"],
+        "distill-topk": common + ["actor.distill.coef=1.0", "actor.distill.top_k=8", "actor.distill.use_policy_loss=false",
+                                  "teacher.enable=true", f"teacher.model.path={teacher_dir}"],
     }
     rows = []
     with tempfile.TemporaryDirectory() as workdir:

@@ -28,20 +28,16 @@ HANG_TIMEOUT_S = 3
 HANG_MARGIN_S = 4
 
 def test_worker_death_then_exact_resume(ray_session, tiny_model_dir, tmp_path):
-    """4 steps straight vs 2 steps + checkpoint + a worker death in step 3 + a NEW fit with
-    resume_mode=auto for steps 3-4 (runs.EXACT: FSDP2 actor and DDP critic with dp=2, adaptive KL
-    in the reward, lr warm-up across the resume point, shuffled data).
+    """2 steps + checkpoint + a worker death in step 3 + a NEW fit with resume_mode=auto for steps
+    3-4, against 4 steps straight (runs.EXACT: FSDP2 actor and DDP critic with dp=2, adaptive KL in
+    the reward, lr warm-up across the resume point, shuffled data).
 
     The death (actor rank 1 exits at the start of step 3's update, while rank 0 enters an FSDP
     collective) is reported naming the role and rank, long before remote_timeout_s; the step-2
     checkpoint stays intact and latest; the resumed run ends with exactly the uninterrupted run's
-    metrics, parameters and optimizer state.
+    metrics, parameters and optimizer state. The straight run goes last: it takes the processes
+    the resumed run left (trainer.keep_workers_s), where first it would start its own.
     """
-    reference_base = str(tmp_path / "straight")
-    clock = time.monotonic()
-    reference, ref_trainer = runs.fit(tiny_model_dir, reference_base, return_trainer=True, **{"trainer.save_freq": 2})
-    print(f"\nstraight run: {time.monotonic() - clock:.1f} s")
-
     base = str(tmp_path / "crashed")
     trainer = runs.PPOTrainerWithStepClock(runs.make_config(tiny_model_dir, base, **{"trainer.save_freq": 2}),
                                            fault_spec="actor:1:update:3:exit")
@@ -49,14 +45,14 @@ def test_worker_death_then_exact_resume(ray_session, tiny_model_dir, tmp_path):
     clock = time.monotonic()
     with pytest.raises(WorkerError) as info:
         trainer.fit()
-    print(f"crashed run: {time.monotonic() - clock:.1f} s")
+    print(f"\ncrashed run: {time.monotonic() - clock:.1f} s")
     elapsed = time.monotonic() - trainer.step_started[3]
     message = str(info.value)
-    print(f"\nworker death -> after {elapsed:.1f} s: {message}")
+    print(f"worker death -> after {elapsed:.1f} s: {message}")
     assert message.startswith("step 3 (of 4): actor rank 1: update: the worker process died"), message
     assert elapsed < timeout_s / 10, f"the error took {elapsed:.1f} s (remote_timeout_s={timeout_s})"
-    assert [h["step"] for h in trainer.history] == [1, 2]
-    runs.assert_same(runs.metrics(trainer.history), runs.metrics(reference)[:2])
+    crashed = list(trainer.history)
+    assert [h["step"] for h in crashed] == [1, 2]
 
     root = os.path.join(runs.run_dir_of(base), "checkpoints")
     assert open(os.path.join(root, "latest")).read().strip() == "step_2"
@@ -67,6 +63,12 @@ def test_worker_death_then_exact_resume(ray_session, tiny_model_dir, tmp_path):
     resumed, trainer = runs.fit(tiny_model_dir, base, return_trainer=True, **{"trainer.save_freq": 2})
     print(f"resumed run: {time.monotonic() - clock:.1f} s")
     assert [h["step"] for h in resumed] == [1, 2, 3, 4], "the history continues from the checkpoint"
+
+    reference_base = str(tmp_path / "straight")
+    clock = time.monotonic()
+    reference, ref_trainer = runs.fit(tiny_model_dir, reference_base, return_trainer=True, **{"trainer.save_freq": 2})
+    print(f"straight run: {time.monotonic() - clock:.1f} s")
+    runs.assert_same(runs.metrics(crashed), runs.metrics(reference)[:2])
     runs.assert_same(runs.metrics(resumed), runs.metrics(reference))
     runs.assert_same_weights(runs.final_weights(trainer), runs.final_weights(ref_trainer))
     got = runs.checkpoint_tensors(os.path.join(root, "step_4"))
