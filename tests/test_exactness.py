@@ -328,7 +328,8 @@ def test_layouts_ran_as_configured(fits):
     assert all(n >= 2 for name in ("F2/dyn", "F4/dp2-dyn", "S1/dp2-dyn", "S1/sp2-dyn", "F1/sp2-dyn") for n in micro(name))
     for family in ("S1", "F1"):  # 8 rows per mini-batch: packed in micro-batches of 2, sp=2 in 2 of 4 rows
         assert micro(f"{family}/pack-mb2") == [4.0] * STEPS and micro(f"{family}/sp2") == [2.0] * STEPS
-        assert micro(f"{family}/dp2-sp2") == [2.0] * STEPS
+    assert micro("S1/dp2-sp2") == [2.0] * STEPS
+    assert micro("D1/mb1") == [8.0] * STEPS and micro("D2/pack-mb2") == [4.0] * STEPS
 
 
 def test_dp2_shards_hold_unequal_token_counts(fits):
