@@ -104,3 +104,29 @@ def load_file(path: str | os.PathLike, prefix: str, once: bool) -> ModuleType:
     if once:
         _FILES[prefix, absolute] = module
     return module
+
+
+def load_named(spec: str, key: str, kind: str, prefix: str):
+    """What `key`=`spec` names: `path/to/file.py:Name` (the file run once per process, load_file
+    with `prefix`) or `package.module:Name`. `kind` ("Class", "function") is the word the errors
+    use for Name; every error names `key`."""
+    module_name, sep, name = str(spec).rpartition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{key}={spec!r}: expected 'file.py:{kind}' or 'package.module:{kind}'")
+    if module_name.endswith(".py"):
+        path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{key}={spec!r}: no file {path}")
+        try:  # once per process: every later call returns the same object
+            module = load_file(path, prefix, once=True)
+        except Exception as err:
+            raise ImportError(f"{key}={spec!r}: {path} failed to load: {type(err).__name__}: {err}") from err
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ImportError(f"{key}={spec!r}: cannot import {module_name}: {err}") from err
+    value = getattr(module, name, None)
+    if value is None:
+        raise AttributeError(f"{key}={spec!r}: {module_name} has no {name}")
+    return value

@@ -26,11 +26,9 @@ given (row, turns so far).
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass, field
 
-from rlflow.plugins import load_file
+from rlflow.plugins import load_named
 
 __all__ = ["Environment", "StepResult", "load_env_class"]
 
@@ -56,26 +54,7 @@ class Environment:
 def load_env_class(spec: str) -> type:
     """`path/to/file.py:Class` or `package.module:Class` -> the class (a subclass of Environment).
     Errors name the key rollout.agent.env."""
-    module_name, sep, class_name = str(spec).rpartition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(f"rollout.agent.env={spec!r}: expected 'file.py:Class' or 'package.module:Class'")
-    if module_name.endswith(".py"):
-        path = os.path.abspath(module_name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"rollout.agent.env={spec!r}: no file {path}")
-        try:  # once per process: every later call returns the same class
-            module = load_file(path, "rlflow_env_", once=True)
-        except Exception as err:
-            raise ImportError(f"rollout.agent.env={spec!r}: {path} failed to load: "
-                              f"{type(err).__name__}: {err}") from err
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ImportError(f"rollout.agent.env={spec!r}: cannot import {module_name}: {err}") from err
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise AttributeError(f"rollout.agent.env={spec!r}: {module_name} has no {class_name}")
+    cls = load_named(spec, "rollout.agent.env", "Class", "rlflow_env_")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise TypeError(f"rollout.agent.env={spec!r}: {class_name} is not a subclass of rlflow.agents.Environment")
+        raise TypeError(f"rollout.agent.env={spec!r}: {str(spec).rpartition(':')[2]} is not a subclass of rlflow.agents.Environment")
     return cls

@@ -21,11 +21,8 @@ calls the endpoint can batch into one engine call).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 from rlflow.agents import Environment, StepResult
-from rlflow.plugins import load_file
+from rlflow.plugins import load_named
 
 __all__ = ["AgentFnEnv", "BASE_URL_KEY", "load_agent_fn"]
 
@@ -36,27 +33,9 @@ BASE_URL_KEY = "_rlflow_openai_base_url"
 def load_agent_fn(spec: str):
     """`path/to/file.py:function` or `package.module:function` -> the function. Errors name the
     key rollout.agent.fn."""
-    module_name, sep, name = str(spec).rpartition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"rollout.agent.fn={spec!r}: expected 'file.py:function' or 'package.module:function'")
-    if module_name.endswith(".py"):
-        path = os.path.abspath(module_name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"rollout.agent.fn={spec!r}: no file {path}")
-        try:
-            module = load_file(path, "rlflow_agent_fn_", once=True)
-        except Exception as err:
-            raise ImportError(f"rollout.agent.fn={spec!r}: {path} failed to load: {type(err).__name__}: {err}") from err
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ImportError(f"rollout.agent.fn={spec!r}: cannot import {module_name}: {err}") from err
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise AttributeError(f"rollout.agent.fn={spec!r}: {module_name} has no {name}")
+    fn = load_named(spec, "rollout.agent.fn", "function", "rlflow_agent_fn_")
     if not callable(fn) or isinstance(fn, type):
-        raise TypeError(f"rollout.agent.fn={spec!r}: {name} is not a function")
+        raise TypeError(f"rollout.agent.fn={spec!r}: {str(spec).rpartition(':')[2]} is not a function")
     return fn
 
 
