@@ -26,7 +26,7 @@ class WaitsForSync(RolloutWorker):
         first_step_groups = self.cfg.data.train_batch_size
         step, held = stream.step, {"done": False}
 
-        def step_after_a_sync(version, guard=None):
+        def step_after_a_sync(version, guard=None, pause=None):
             rows = list(stream.active)
             if (not held["done"] and rows and all(row.group >= first_step_groups and row.tokens for row in rows)):
                 held["done"] = True
@@ -38,6 +38,6 @@ class WaitsForSync(RolloutWorker):
                 finally:
                     self._engine_lock.lock.acquire()
                 version = runner.version
-            step(version, guard)
+            step(version, guard, pause)
 
         stream.step = step_after_a_sync

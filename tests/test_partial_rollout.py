@@ -93,6 +93,78 @@ def test_a_response_across_a_weight_load_carries_each_tokens_version_and_log_pro
                                           _log_probs_under(versions_model[1], prompts[finished[0].group], tokens, temperature))) > 0.1
 
 
+def test_hf_chunks_keep_their_cache_until_a_weight_load_and_pause_between_tokens(tiny_model_dir):
+    """The HF engine's chunks: greedy chunks of 3 give one generate call's responses; a chunk after
+    the first feeds one token per response (the cache kept), after a weight load the whole prefix
+    again; `pause` ends a chunk after the token it is asked at, for every row alike."""
+    from rlflow.protocol import left_pad
+
+    engine = _hf_engine(tiny_model_dir)
+    eos = engine.eos_token_id
+    logits_bias = torch.zeros(engine.model.config.vocab_size)
+    logits_bias[eos] = -1e4  # no EOS: every response runs its whole length
+    engine.model.lm_head.bias = torch.nn.Parameter(logits_bias, requires_grad=False)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
+    ids, mask = left_pad(prompts, engine.pad_token_id)
+    greedy = dict(do_sample=False, seed=0, return_log_probs=False, temperature=1.0, top_p=1.0)
+    whole, _ = engine.generate_ids(ids, mask, n=1, max_new_tokens=8, **greedy)
+    fed = []
+    hook = engine.model.register_forward_pre_hook(lambda _m, _a, kwargs: fed.append(tuple(kwargs["input_ids"].shape)),
+                                                  with_kwargs=True)
+    try:
+        sequences = [list(p) for p in prompts]
+        for chunk in range(3):
+            if chunk == 2:
+                engine.load_weights(engine.model.state_dict())
+            fed.clear()
+            new_tokens, _ = engine.continue_ids(sequences, max_new_tokens=3, **greedy)
+            assert [len(t) for t in new_tokens] == [3] * 4
+            widest = max(len(s) for s in sequences)
+            expected_first = (4, widest) if chunk != 1 else (4, 1)
+            assert fed == [expected_first, (4, 1), (4, 1)], f"chunk {chunk}"
+            sequences = [s + t for s, t in zip(sequences, new_tokens, strict=True)]
+        assert [s[len(p):][:8] for s, p in zip(sequences, prompts, strict=True)] == whole
+        calls = [0]
+
+        def pause():
+            calls[0] += 1
+            return calls[0] >= 2
+
+        new_tokens, log_probs = engine.continue_ids(sequences, max_new_tokens=5, pause=pause,
+                                                    **{**greedy, "return_log_probs": True})
+        assert [len(t) for t in new_tokens] == [2] * 4 and [len(lp) for lp in log_probs] == [2] * 4
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 0.9), (1.3, 5, 1.0), (0.8, 7, 0.6)])
+def test_hf_chunk_sampling_is_generates_distribution(temperature, top_k, top_p):
+    """The chunks' sampler draws from what generate's warpers leave (temperature, top-k, top-p,
+    in that order) and reports each token's log-prob under it."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from workers.rollout.hf import sample_next
+
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 3
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k > 0:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1.0:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.log_softmax(warped, dim=-1)
+    torch.manual_seed(0)
+    draws = [sample_next(logits, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) for _ in range(300)]
+    for tokens, log_probs in draws:
+        torch.testing.assert_close(log_probs, expected.gather(-1, tokens[:, None]).squeeze(-1))
+    drawn = torch.stack([tokens for tokens, _ in draws])  # [300, 6]
+    assert torch.isfinite(expected.gather(-1, drawn.T)).all(), "a token the warpers drop was drawn"
+    frequency = torch.zeros_like(logits).scatter_add_(1, drawn.T, torch.ones(drawn.T.shape)) / len(draws)
+    assert (frequency - expected.exp()).abs().max() < 0.12
+    greedy, greedy_log_probs = sample_next(logits, do_sample=False, temperature=temperature, top_p=top_p, top_k=top_k)
+    assert torch.equal(greedy, logits.argmax(-1))
+    torch.testing.assert_close(greedy_log_probs, torch.log_softmax(logits, -1).max(-1).values)
+
+
 def test_a_finished_response_frees_its_slot_for_the_next_group(tiny_model_dir):
     """Streaming: a group that ends early makes room at once; the long one goes on."""
     from workers.rollout.stream import GroupStream

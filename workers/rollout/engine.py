@@ -121,12 +121,14 @@ class RolloutEngine:
                                 log_probs)
 
     def continue_ids(self, sequences: list[list[int]], *, do_sample: bool, seed: int | None, return_log_probs: bool,
-                     temperature: float, top_p: float, max_new_tokens: int
+                     temperature: float, top_p: float, max_new_tokens: int, pause=None
                      ) -> tuple[list[list[int]], list[list[float]] | None]:
         """One sample of up to max_new_tokens more tokens after each sequence (a prompt and its
         response so far): a chunk of partial rollout (workers/rollout/stream.py). The prefix is
         read again under the engine's current weights, as the peers' partial rollouts resume an
-        interrupted request; an engine with a cheaper way to resume overrides this."""
+        interrupted request; an engine with a cheaper way to resume overrides this (the HF engine
+        keeps each sequence's cache between chunks). `pause()` true asks the chunk to end early,
+        between two tokens, with the same number of tokens for every row; this one runs it out."""
         input_ids, attention_mask = left_pad(sequences, self.pad_token_id)
         return self.generate_ids(input_ids, attention_mask, n=1, do_sample=do_sample, seed=seed,
                                  return_log_probs=return_log_probs, temperature=temperature, top_p=top_p,

@@ -89,9 +89,10 @@ class GroupStream:
             self.active.extend(_Row(group, prompt) for _ in range(self.n))
 
     @torch.no_grad()
-    def step(self, version: int, guard=None) -> None:
+    def step(self, version: int, guard=None, pause=None) -> None:
         """One chunk for every response in flight, sampled by the weights of `version`. `guard`
-        (a lock) is held while the bookkeeping changes, not while the engine samples."""
+        (a lock) is held while the bookkeeping changes, not while the engine samples; `pause()`
+        true ends the chunk early where the engine can (RolloutEngine.continue_ids)."""
         guard = guard if guard is not None else contextlib.nullcontext()
         with guard:
             self._admit(version)
@@ -103,7 +104,7 @@ class GroupStream:
             [row.prompt + row.tokens for row in rows], do_sample=self.do_sample,
             seed=self.seed + 1_000_003 * self.num_chunks, return_log_probs=self.return_log_probs,
             temperature=self.engine.temperature, top_p=self.engine.top_p,
-            max_new_tokens=min(self.chunk_tokens, max(left)))
+            max_new_tokens=min(self.chunk_tokens, max(left)), pause=pause)
         self.num_chunks += 1
         with guard:
             for index, row in enumerate(rows):
@@ -155,6 +156,10 @@ class EngineLock:
             yield
         finally:
             self.lock.release()
+
+    def waiting(self) -> bool:
+        """A call is waiting: the chunk in progress should end at its next token."""
+        return self._calls_waiting > 0
 
     @contextlib.contextmanager
     def chunk(self):
@@ -218,7 +223,7 @@ class StreamRunner:
                         torch.set_num_threads(threads)
                     with self.changed:
                         version = self.version
-                    self.stream.step(version, guard=self.changed)
+                    self.stream.step(version, guard=self.changed, pause=self.engine_lock.waiting)
                 with self.changed:
                     self.changed.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the driver's next take
