@@ -246,6 +246,40 @@ def test_a_call_may_sample_at_another_top_p(ray_session, engine, tok):
     assert not torch.equal(wide["responses"], greedy["responses"])
 
 
+def test_a_paused_chunk_hands_back_its_tokens_so_far_and_they_go_on(ray_session, engine, tok, tiny_model_dir):
+    """Partial rollout on vLLM (RolloutEngine.continue_ids with pause): the engine is stepped in
+    the chunk, so asked to pause it stops after the step in progress with each row's tokens and
+    log-probs so far; the rows then go on from there, and every token's log-prob is the model's."""
+    eos = tok.eos_token_id
+    prompts = [tok.encode(t, add_special_tokens=False) for t in PROMPTS]
+
+    def chunk(rollout, sequences, pause_at_step):
+        steps = [0]
+
+        def pause():
+            steps[0] += 1
+            return steps[0] >= pause_at_step
+
+        return rollout.continue_ids(sequences, do_sample=True, seed=3, return_log_probs=True, temperature=TEMPERATURE,
+                                    top_p=1.0, max_new_tokens=R, pause=pause)
+
+    first, first_lp = ray_session.get(engine.__ray_call__.remote(lambda self: chunk(self, prompts, 2)), timeout=300)
+    assert all(len(t) <= 2 and len(t) == len(lp) for t, lp in zip(first, first_lp, strict=True))
+    assert sum(map(len, first)) >= 1
+    going_on = [row for row, t in enumerate(first) if eos not in t]
+    sequences = [prompts[row] + first[row] for row in going_on]
+    rest, rest_lp = ray_session.get(engine.__ray_call__.remote(lambda self: chunk(self, sequences, 10**9)), timeout=300)
+    assert any(len(t) > 2 for t in rest), "the second chunk ran on"
+    model = _hf_model(tiny_model_dir)
+    for index, row in enumerate(going_on):
+        tokens, log_probs = first[row] + rest[index], first_lp[row] + rest_lp[index]
+        ids = torch.tensor([prompts[row] + tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompts[row]) - 1: -1].float() / TEMPERATURE
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        assert float((torch.tensor(log_probs) - expected).abs().max()) < TOL
+
+
 def test_empty_prompt_is_an_error(ray_session, engine, tok):
     batch = _batch(tok, ["abc", "the answer is"])
     batch["attention_mask"][0] = 0

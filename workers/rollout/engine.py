@@ -128,7 +128,8 @@ class RolloutEngine:
         read again under the engine's current weights, as the peers' partial rollouts resume an
         interrupted request; an engine with a cheaper way to resume overrides this (the HF engine
         keeps each sequence's cache between chunks). `pause()` true asks the chunk to end early,
-        between two tokens, with the same number of tokens for every row; this one runs it out."""
+        between two tokens (an engine may then hand back fewer tokens for some rows than for
+        others, none at all for a row); this one runs the chunk out."""
         input_ids, attention_mask = left_pad(sequences, self.pad_token_id)
         return self.generate_ids(input_ids, attention_mask, n=1, do_sample=do_sample, seed=seed,
                                  return_log_probs=return_log_probs, temperature=temperature, top_p=top_p,

@@ -251,6 +251,7 @@ class VLLMRollout(RolloutEngine):
         self.torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
         self.weight_chunk_bytes = int(weight_chunk_bytes)
         self._rng = random.Random(seed)
+        self._requests = 0  # a unique id for each request continue_ids adds
         self._tied_embeddings = _tied_embeddings(model_path)
         self.in_process = _engine_in_process()
         if weight_transport == "direct" and not self.in_process:
@@ -351,6 +352,45 @@ class VLLMRollout(RolloutEngine):
         if samples_per_prompt != n:
             responses = [r for r in responses for _ in range(n)]
             log_probs = [lp for lp in log_probs for _ in range(n)]
+        return responses, (log_probs if return_log_probs else None)
+
+    def continue_ids(self, sequences, *, do_sample, seed, return_log_probs, temperature, top_p, max_new_tokens,
+                     pause=None):
+        """A partial-rollout chunk with vLLM's engine stepped here instead of in LLM.generate, so
+        that it can stop between two engine steps (one token for every running request): once
+        `pause()` is true the requests still running are aborted and hand back the tokens they
+        have (possibly none). The prefixes go in again as prompts (the prefix cache, reset at each
+        weight load, finds what it still holds)."""
+        if pause is None:
+            return super().continue_ids(sequences, do_sample=do_sample, seed=seed, return_log_probs=return_log_probs,
+                                        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        engine = self.llm.llm_engine
+        base_seed = self._rng.getrandbits(31) if seed is None else int(seed)
+        request_ids = []
+        for row, tokens in enumerate(sequences):
+            row_seed = (base_seed * 1_000_003 + row) % (2**63 - 1) if do_sample else None
+            self._requests += 1
+            request_ids.append(f"rlflow-chunk-{self._requests}")  # outputs and aborts name it (not the id returned)
+            engine.add_request(request_ids[-1], {"prompt_token_ids": list(tokens)},
+                               self._sampling_params(do_sample, row_seed, return_log_probs, temperature, top_p,
+                                                     max_new_tokens))
+        latest = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                latest[out.request_id] = out
+            if pause():
+                running = [r for r in request_ids if r not in latest or not latest[r].finished]
+                if running:
+                    engine.abort_request(running)
+                break
+        responses, log_probs = [], []
+        for request_id in request_ids:
+            completion = latest[request_id].outputs[0] if request_id in latest else None
+            tokens = list(completion.token_ids) if completion is not None else []
+            responses.append(tokens)
+            if return_log_probs:
+                per_token = (completion.logprobs or []) if completion is not None else []
+                log_probs.append([float(entry[tok].logprob) for tok, entry in zip(tokens, per_token)])
         return responses, (log_probs if return_log_probs else None)
 
     @torch.no_grad()
