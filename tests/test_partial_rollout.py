@@ -194,6 +194,45 @@ def test_a_finished_response_frees_its_slot_for_the_next_group(tiny_model_dir):
     assert sorted(g.group for g in stream.take_finished()) == [1, 2]
 
 
+def test_an_ended_response_frees_its_slot_before_its_group_ends_and_is_not_generated_on(tiny_model_dir):
+    """One response of group 0 ends at its first token: the next chunk does not sample it again
+    (nothing after its EOS) and its slot, with the one left free, takes group 2 while group 0's
+    other response goes on."""
+    from workers.rollout.stream import GroupStream
+
+    engine = _hf_engine(tiny_model_dir)
+    eos = engine.eos_token_id
+    chunk_rows = []
+
+    class FirstRowOfGroupZeroEnds:
+        """The tiny engine, except that the prompt [5, 0] ends at once and no other response ends."""
+        temperature, top_p, eos_token_id = 1.0, 1.0, eos
+
+        def continue_ids(self, sequences, **kwargs):
+            chunk_rows.append([list(seq) for seq in sequences])
+            tokens, log_probs = engine.continue_ids(sequences, **kwargs)
+            tokens = [[eos] * len(t) if seq[:2] == [5, 0] else [t_ if t_ != eos else 7 for t_ in t]
+                      for seq, t in zip(sequences, tokens)]
+            return tokens, log_probs
+
+    stream = GroupStream(FirstRowOfGroupZeroEnds(), n=2, max_rows=5, chunk_tokens=2, max_response_length=6,
+                         eos_token_id=eos, do_sample=True, return_log_probs=True, seed=0)
+    stream.submit([0, 1, 2], [[5], [6, 6], [7, 7]])
+    stream._admit(0)
+    stream.active[0].prompt = [5, 0]  # group 0's first response: the one that ends
+    stream.step(0)
+    assert stream.unfinished() == {0: 0, 1: 0, 2: None}, "4 live rows + group 2's 2 > 5"
+    stream.step(0)
+    assert stream.unfinished() == {0: 0, 1: 0, 2: 0}, "the ended response's slot took group 2"
+    assert all(seq[:2] != [5, 0] for seq in chunk_rows[1]), "an ended response was generated on"
+    while stream.has_work():
+        stream.step(0)
+    finished = {group.group: group for group in stream.take_finished()}
+    assert sorted(finished) == [0, 1, 2]
+    assert finished[0].responses[0] == [eos] and len(finished[0].log_probs[0]) == len(finished[0].versions[0]) == 1
+    assert all(len(response) == 6 for group in (1, 2) for response in finished[group].responses)
+
+
 def test_a_call_takes_the_engine_before_the_streams_next_chunk():
     """A weight load waits for the chunk in progress, not for the stream to run out of work."""
     import threading

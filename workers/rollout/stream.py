@@ -82,8 +82,9 @@ class GroupStream:
         return finished
 
     def _admit(self, version: int) -> None:
-        """Whole groups into the free slots, in submission order (a group's rows start together)."""
-        while self.pending and len(self.active) + self.n <= self.max_rows:
+        """Whole groups into the free slots, in submission order (a group's rows start together). A
+        response that ended frees its slot at once, before the rest of its group ends."""
+        while self.pending and sum(not row.done for row in self.active) + self.n <= self.max_rows:
             group, prompt = self.pending.pop(0)
             self.start_version[group] = version
             self.active.extend(_Row(group, prompt) for _ in range(self.n))
@@ -96,7 +97,7 @@ class GroupStream:
         guard = guard if guard is not None else contextlib.nullcontext()
         with guard:
             self._admit(version)
-            rows = list(self.active)
+            rows = [row for row in self.active if not row.done]  # an ended response waits for its group
         if not rows:
             return
         left = [self.max_response_length - len(row.tokens) for row in rows]
