@@ -95,7 +95,7 @@ def test_a_response_across_a_weight_load_carries_each_tokens_version_and_log_pro
 
 def test_hf_chunks_keep_their_cache_until_a_weight_load_and_pause_between_tokens(tiny_model_dir):
     """The HF engine's chunks: greedy chunks of 3 give one generate call's responses; a chunk after
-    the first feeds one token per response (the cache kept), after a weight load the whole prefix
+    the first feeds one token per response (the cache kept), after a weight load the prefixes
     again; `pause` ends a chunk after the token it is asked at, for every row alike."""
     from rlflow.protocol import left_pad
 
@@ -119,9 +119,10 @@ def test_hf_chunks_keep_their_cache_until_a_weight_load_and_pause_between_tokens
             fed.clear()
             new_tokens, _ = engine.continue_ids(sequences, max_new_tokens=3, **greedy)
             assert [len(t) for t in new_tokens] == [3] * 4
-            widest = max(len(s) for s in sequences)
-            expected_first = (4, widest) if chunk != 1 else (4, 1)
-            assert fed == [expected_first, (4, 1), (4, 1)], f"chunk {chunk}"
+            # uncached: one forward of the prefixes but the last token (the 1-token prompt needs
+            # none), then a token per step for every row
+            prefill = [] if chunk == 1 else [(sum(len(s) > 1 for s in sequences), max(len(s) for s in sequences) - 1)]
+            assert fed == prefill + [(4, 1)] * 3, f"chunk {chunk}"
             sequences = [s + t for s, t in zip(sequences, new_tokens, strict=True)]
         assert [s[len(p):][:8] for s, p in zip(sequences, prompts, strict=True)] == whole
         calls = [0]
@@ -133,6 +134,12 @@ def test_hf_chunks_keep_their_cache_until_a_weight_load_and_pause_between_tokens
         new_tokens, log_probs = engine.continue_ids(sequences, max_new_tokens=5, pause=pause,
                                                     **{**greedy, "return_log_probs": True})
         assert [len(t) for t in new_tokens] == [2] * 4 and [len(lp) for lp in log_probs] == [2] * 4
+        # a response joining cached ones: its prefix is read alone, then it decodes with them
+        sequences = [s + t for s, t in zip(sequences, new_tokens, strict=True)] + [prompts[0]]
+        fed.clear()
+        new_tokens, _ = engine.continue_ids(sequences, max_new_tokens=3, **greedy)
+        assert fed == [(1, len(prompts[0]) - 1)] + [(5, 1)] * 3
+        assert new_tokens[4] == whole[0][:3]
     finally:
         hook.remove()
 

@@ -153,18 +153,19 @@ class HFRollout(RolloutEngine):
                      ) -> tuple[list[list[int]], list[list[float]] | None]:
         """Up to max_new_tokens more tokens after each sequence, fewer for all rows once `pause()`
         is true (at least one). A sequence whose cache the last call left (the same weights)
-        feeds only its last token; any other reads its whole prefix."""
+        feeds only its last token; the others' prefixes are read first, in a forward of their own."""
         model = self.model
         cached = [self._row_caches.get(tuple(seq)) for seq in sequences]
-        past, past_mask = _stack_left_padded(cached, model.config.num_hidden_layers)
-        new_ids, new_mask = left_pad([seq[-1:] if kv is not None else seq for seq, kv in zip(sequences, cached)],
-                                     self.pad_token_id)
-        mask = torch.cat([past_mask, new_mask], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_mask.shape[1]:]
+        self._prefill([row for row, kv in enumerate(cached) if kv is None], sequences, cached)
+        # every row's cache now covers its sequence but the last token, which the first step feeds
+        past, mask = _stack_left_padded(cached, model.config.num_hidden_layers)
+        positions = mask.sum(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones(len(sequences), 1, dtype=torch.long)], dim=1)
         torch.manual_seed(self.seed if seed is None else seed)
         sample = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=self.top_k)
-        out = model(input_ids=new_ids.to(self.device), attention_mask=mask.to(self.device),
-                    position_ids=positions.to(self.device), past_key_values=past, use_cache=True)
+        out = model(input_ids=torch.tensor([seq[-1:] for seq in sequences], device=self.device),
+                    attention_mask=mask.to(self.device), position_ids=positions.to(self.device), past_key_values=past,
+                    use_cache=True)
         tokens, log_probs = [], []
         ended = torch.zeros(len(sequences), dtype=torch.bool)
         while True:
@@ -188,6 +189,24 @@ class HFRollout(RolloutEngine):
                 self._row_caches[tuple(seq + new_tokens[row])] = [
                     (layer.keys[row][:, valid], layer.values[row][:, valid]) for layer in layers]
         return new_tokens, (torch.stack(log_probs, dim=1).tolist() if return_log_probs else None)
+
+    def _prefill(self, rows: list[int], sequences: list[list[int]], cached: list) -> None:
+        """The caches of `rows` (in `cached`), each over its sequence but the last token: one
+        forward of those rows alone, so that a response joining the engine's batch costs its own
+        prefix, not a prefix-wide forward of every row (a one-token prefix needs no cache)."""
+        rows = [row for row in rows if len(sequences[row]) > 1]
+        if not rows:
+            return
+        from workers.forward import _takes_logits_to_keep
+
+        ids, mask = left_pad([sequences[row][:-1] for row in rows], self.pad_token_id)
+        extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(self.model)) else {}
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(self.device), use_cache=True, **extra)
+        for index, row in enumerate(rows):
+            valid = mask[index].bool().to(self.device)
+            cached[row] = [(layer.keys[index][:, valid], layer.values[index][:, valid])
+                           for layer in out.past_key_values.layers]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.check_awake("load_weights")
