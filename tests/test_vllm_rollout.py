@@ -456,6 +456,32 @@ def test_ppo_three_steps_with_vllm_rollout(ray_session, tiny_model_dir, tmp_path
         assert row["response/length_mean"] > 0
 
 
+def test_partial_rollout_fit_with_vllm(ray_session, tiny_model_dir, tmp_path):
+    """rollout.partial on vLLM (its chunks step the engine, a sync ends one after the engine step in
+    progress): every prompt handed out is trained once, each token within max_staleness=1 and
+    with its behaviour log-prob."""
+    from conftest import tiny_overrides
+    from controllers.rollout_source import read_recorded
+    from rlflow import RLFlow, load_config
+
+    steps, record = 3, str(tmp_path / "record")
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+        "rollout.name": "vllm", "trainer.total_steps": steps, "trainer.default_local_dir": str(tmp_path / "run"),
+        "trainer.record_rollouts": record, "algorithm.adv_estimator": "grpo", "trainer.max_staleness": 1,
+        "rollout.partial.enable": True, "rollout.partial.chunk_tokens": 2,
+        "algorithm.rollout_correction.mode": "token_tis"}))
+    history = RLFlow(cfg).fit()
+    assert [h["step"] for h in history if h["step"] >= 1] == [1, 2, 3]
+    batches = [read_recorded(record, step).batch for step in range(steps)]
+    trained = sorted(int(g) for batch in batches for g in batch["group_index"][::2].tolist())
+    assert trained == list(range(steps * cfg.data.train_batch_size)), "every prompt handed out, trained once"
+    for step, batch in enumerate(batches):
+        valid = batch["response_mask"].bool()
+        versions = batch["rollout_versions"][valid]
+        assert versions.min() >= step - 1 and versions.max() <= step
+        assert (batch["rollout_log_probs"][valid] <= 0).all() and (batch["rollout_log_probs"][valid] != 0).any()
+
+
 def test_shared_memory_sync_reaches_the_vllm_engine(ray_session, tiny_model_dir, tmp_path):
     """After updates synced through the /dev/shm file, vLLM samples with the trained actor's weights."""
     from conftest import tiny_overrides
