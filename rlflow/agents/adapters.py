@@ -54,7 +54,6 @@ import asyncio
 import hashlib
 import importlib
 import json
-import os
 import threading
 import time
 import uuid
@@ -76,21 +75,12 @@ def _require(module: str, package: str):
 
 
 def load_function(spec: str, key: str = "rollout.agent.env_kwargs.load") -> Callable:
-    """``path/to/file.py:function`` or ``package.module:function`` -> the callable."""
-    from rlflow.plugins import load_file
+    """``path/to/file.py:function`` or ``package.module:function`` -> the callable (rlflow.plugins.load_named)."""
+    from rlflow.plugins import load_named
 
-    module_name, sep, name = str(spec).rpartition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"{key}={spec!r}: expected 'file.py:function' or 'package.module:function'")
-    if module_name.endswith(".py"):
-        path = os.path.abspath(module_name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{key}={spec!r}: no file {path}")
-        module = load_file(path, "rlflow_envlib_", once=True)
-    else:
-        module = importlib.import_module(module_name)
-    fn = getattr(module, name, None)
+    fn = load_named(spec, key, "function", "rlflow_envlib_")
     if not callable(fn):
+        module_name, _, name = str(spec).rpartition(":")
         raise AttributeError(f"{key}={spec!r}: {module_name} has no callable {name}")
     return fn
 
