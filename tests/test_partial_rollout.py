@@ -313,6 +313,44 @@ def test_the_batch_keeps_later_steps_within_the_bound():
     assert picked == [0, 1], "N_1 = 4 groups at version <= 1: 4 - 1 * 2 = 2 of them now"
 
 
+def test_runs_with_neighbouring_seeds_draw_different_chunk_seeds():
+    """The chunk seeds of trainer.seed 0 and 1, as the driver opens the stream and the stream
+    steps: disjoint (a stride equal to the driver's spacing made seed 1's chunk c seed 0's c + 1)."""
+    from workers.rollout.stream import GroupStream
+
+    class Opens:
+        dp_size = 1
+
+        def call_all(self, method, version, max_rows, seed):
+            self.seed = seed
+
+    class RecordsSeeds:
+        temperature, top_p = 1.0, 1.0
+
+        def __init__(self):
+            self.seeds = []
+
+        def continue_ids(self, sequences, *, seed, max_new_tokens, **_):
+            self.seeds.append(seed)
+            return [[5] * max_new_tokens for _ in sequences], [[-1.0] * max_new_tokens for _ in sequences]
+
+    drawn = []
+    for trainer_seed in (0, 1):
+        queue = _queue(max_staleness=1, batch_size=2)
+        queue.cfg.trainer.seed = trainer_seed
+        queue.rollout = Opens()
+        queue._open()
+        engine = RecordsSeeds()
+        stream = GroupStream(engine, n=1, max_rows=1, chunk_tokens=1, max_response_length=100, eos_token_id=1,
+                             do_sample=True, return_log_probs=True, seed=queue.rollout.seed)
+        stream.submit([0], [[3]])
+        for _ in range(100):
+            stream.step(version=0)
+        assert len(engine.seeds) == 100
+        drawn.append(set(engine.seeds))
+    assert not drawn[0] & drawn[1]
+
+
 def test_partial_needs_staleness_and_names_the_keys():
     from conftest import tiny_overrides
     from rlflow import load_config

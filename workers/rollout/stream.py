@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# a chunk's seed is the stream's + this x its index. The driver spaces runs' stream seeds 1_000_003
+# apart (trainer.seed), so the stride must not be a multiple of it: with a stride of 1_000_003,
+# trainer.seed s + 1 drew chunk c with the seed trainer.seed s drew chunk c + 1 with
+CHUNK_SEED_STRIDE = 1_000_000_007
+
 
 @dataclass
 class _Row:
@@ -103,7 +108,7 @@ class GroupStream:
         left = [self.max_response_length - len(row.tokens) for row in rows]
         new_tokens, new_log_probs = self.engine.continue_ids(
             [row.prompt + row.tokens for row in rows], do_sample=self.do_sample,
-            seed=self.seed + 1_000_003 * self.num_chunks, return_log_probs=self.return_log_probs,
+            seed=self.seed + CHUNK_SEED_STRIDE * self.num_chunks, return_log_probs=self.return_log_probs,
             temperature=self.engine.temperature, top_p=self.engine.top_p,
             max_new_tokens=min(self.chunk_tokens, max(left)), pause=pause)
         self.num_chunks += 1
