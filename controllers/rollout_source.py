@@ -424,6 +424,9 @@ class StreamingQueue:
     N_j - j * B of them (j = 0 .. k: those left must fit in the j batches still in time). It takes
     those oldest first, then the earliest finished groups up to B, waiting while the finished
     groups cannot meet both. Submitting no more than (t + k + 1) * B keeps every N_j - j * B <= B.
+    With rollout.partial.batch_order=submitted the batch is instead the B untrained groups first
+    submitted (the loader's order), waited for: a group is among them within k steps of its
+    submission, since each step takes the B first of at most (k + 1) * B accounted for.
 
     Scoring (and dynamic sampling's filter: a group without variance is dropped and another prompt
     submitted in its place) happens as groups arrive: during the updates too (finish_next).
@@ -593,8 +596,18 @@ class StreamingQueue:
         """The groups of step's batch (the rule in the class docstring), or None: wait for more."""
         k, size = self.max_staleness, self.batch_size
         section = self.cfg.algorithm.filter_groups
+        filling = section.enable and section.on_cap == "fill" and self._past_filter_cap()
+        if self.cfg.rollout.partial.batch_order == "submitted":
+            # a group submitted at step s has a uid below (s + k + 1) * B, so it trains by step s + k
+            first = sorted([*self.ready, *self.in_flight])[:size]
+            if any(uid in self.in_flight for uid in first):
+                return None
+            picked = [self.ready[uid] for uid in first]
+            if filling:
+                picked += self.dropped[: max(0, size - len(picked))]
+            return picked if len(picked) == size else None
         ready = sorted(self.ready.values(), key=lambda g: (g.start_version, g.finish_index))
-        if section.enable and section.on_cap == "fill" and self._past_filter_cap():
+        if filling:
             ready += self.dropped[: max(0, size - len(ready))]  # dropped groups fill the batch
         if len(ready) < size:
             return None

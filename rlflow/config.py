@@ -263,6 +263,9 @@ class PartialRolloutConfig:
     chunk_tokens: int = 16  # tokens sampled for every response in flight between two syncs' chances
     # responses a rollout rank generates at a time; 0: its share of one step's (train_batch_size * n / dp_size)
     max_rows: int = 0
+    # which complete groups a step trains: "finished" (the first to finish: short answers first, so a
+    # step's batch leans short) or "submitted" (the prompts in loader order, waiting for a slow group)
+    batch_order: str = "finished"
 
 
 @dataclass
@@ -1031,6 +1034,8 @@ def _check_partial(cfg: DictConfig) -> None:
     partial = cfg.rollout.partial
     if not partial.enable:
         return
+    _need(partial.batch_order in ("finished", "submitted"),
+          f"rollout.partial.batch_order={partial.batch_order!r} is not one of finished, submitted")
     _need(partial.max_rows == 0 or partial.max_rows >= cfg.rollout.n,
           f"rollout.partial.max_rows={partial.max_rows} must hold one group of rollout.n={cfg.rollout.n} "
           "responses (or be 0: a rank's share of one step's)")

@@ -278,12 +278,13 @@ class _Group:
         self.uid, self.start_version, self.finish_index = uid, start_version, finish_index
 
 
-def _queue(max_staleness: int, batch_size: int):
+def _queue(max_staleness: int, batch_size: int, batch_order: str = "finished"):
     from controllers.rollout_source import StreamingQueue
     from rlflow import load_config
 
     cfg = load_config(None, [f"trainer.max_staleness={max_staleness}", f"data.train_batch_size={batch_size}",
-                             "rollout.partial.enable=true", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"])
+                             "rollout.partial.enable=true", f"rollout.partial.batch_order={batch_order}",
+                             "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"])
     return StreamingQueue(cfg, loader=None, rollout_group=None, scorer=None, weight_version=lambda: 0,
                           pad_token_id=0, eos_token_id=1, total_steps=100)
 
@@ -311,6 +312,21 @@ def test_the_batch_keeps_later_steps_within_the_bound():
     queue.ready = {uid: _Group(uid, 1, 10 + uid) for uid in range(4)} | {9: _Group(9, 2, 0), 8: _Group(8, 2, 1)}
     picked = [g.uid for g in queue._choose(2)]
     assert picked == [0, 1], "N_1 = 4 groups at version <= 1: 4 - 1 * 2 = 2 of them now"
+
+
+def test_submitted_order_takes_the_first_submitted_groups_waiting_for_a_slow_one():
+    """batch_order=submitted: the batch is the untrained groups first handed out, whatever finished
+    first (the finished order leans each batch to short answers: docs/results/async.md)."""
+    queue = _queue(max_staleness=1, batch_size=2, batch_order="submitted")
+    queue.ready = {1: _Group(1, 1, 0), 2: _Group(2, 1, 1), 3: _Group(3, 1, 2)}
+    queue.in_flight = {0: None, 4: None}
+    assert queue._choose(1) is None, "group 0 was submitted first and is still generating: wait for it"
+    queue.in_flight = {4: None}
+    queue.ready[0] = _Group(0, 1, 3)
+    assert [g.uid for g in queue._choose(1)] == [0, 1]
+    finished_first = _queue(max_staleness=1, batch_size=2)
+    finished_first.ready = dict(queue.ready)
+    assert [g.uid for g in finished_first._choose(1)] == [1, 2], "the default: the first finished"
 
 
 def test_runs_with_neighbouring_seeds_draw_different_chunk_seeds():
@@ -358,6 +374,8 @@ def test_partial_needs_staleness_and_names_the_keys():
 
     for extra, pattern in ((["trainer.max_staleness=0"], r"needs trainer\.max_staleness >= 1"),
                            (["trainer.max_staleness=1", "rollout.partial.chunk_tokens=0"], r"chunk_tokens must be >= 1"),
+                           (["trainer.max_staleness=1", "rollout.partial.batch_order=shortest"],
+                            r"rollout\.partial\.batch_order='shortest' is not one of finished, submitted"),
                            (["trainer.max_staleness=1", "rollout.sleep=true"], r"rollout\.sleep must be false"),
                            (["trainer.max_staleness=1", "algorithm.adv_estimator=remax"], r"greedy baseline")):
         with pytest.raises(ConfigError, match=pattern):
