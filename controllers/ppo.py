@@ -102,6 +102,7 @@ class PPOTrainer:
         self.weight_version = 0  # training steps whose update the rollout's weights include
         self.phase = 0  # numbers the phases _share_cores sizes
         self._rollout_threads = 0  # what the rollout ranks were last told (rollout.partial)
+        self._rollout_threads_follow_phases = False  # set in setup
 
     @property
     def worker_classes(self) -> dict[str, type]:
@@ -126,6 +127,11 @@ class PPOTrainer:
         self.replay = replay
         self.active_roles = enabled_roles(self.roles, cfg)
         self.cores = core_share(cfg, self.active_roles, self.model_path)
+        from workers.rollout.worker import resolve_engine_name
+
+        # the HF engine reads its threads per chunk; vLLM-CPU binds them when it starts
+        self._rollout_threads_follow_phases = (cfg.rollout.partial.enable and not self.cores.steady
+                                               and resolve_engine_name(cfg.rollout.name) == "hf")
         start_ray(cfg, self.active_roles)
         self.score.start()  # the judge's processes load their model while the workers start
         self.start_workers()
@@ -369,10 +375,7 @@ class PPOTrainer:
         chunk with the threads they were last told. While the step waits for its batch and no
         trainer computes, they take every core; when a trainers' phase starts, their share again.
         The HF engine only: vLLM-CPU binds its threads to its share when it starts."""
-        from workers.rollout.worker import resolve_engine_name
-
-        if (not self.cfg.rollout.partial.enable or "rollout" not in self.groups or self.cores.steady
-                or resolve_engine_name(self.cfg.rollout.name) != "hf"):
+        if not self._rollout_threads_follow_phases or "rollout" not in self.groups:
             return
         threads = self.cores.threads(self.cores.trained if trainers_running else (), generating=True)
         if threads != self._rollout_threads:
