@@ -60,11 +60,9 @@ and are rendered by the chat template like any new message.
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at runtime
 import asyncio
 import concurrent.futures
-import importlib
 import itertools
 import json
 import logging
-import os
 import queue
 import socket
 import threading
@@ -74,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlflow.agents.tools import HermesToolParser
-from rlflow.plugins import load_file
+from rlflow.plugins import load_named
 
 __all__ = ["ChatRenderer", "EndpointCall", "EndpointError", "OpenAIEndpoint", "Session", "load_tool_parser",
            "require_server_packages"]
@@ -147,25 +145,13 @@ def load_tool_parser(spec: str):
     parse(text), or a class built without arguments). Errors name the key."""
     if spec in (None, "", "hermes"):
         return HermesToolParser()
-    module_name, sep, attr = str(spec).rpartition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in str(spec):
         raise ValueError(f"rollout.agent.tool_parser={spec!r}: expected 'hermes', 'file.py:name' or 'module:name'")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise FileNotFoundError(f"no file {os.path.abspath(module_name)}")
-            module = load_file(module_name, "rlflow_tool_parser_", once=True)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as err:
-        raise ImportError(f"rollout.agent.tool_parser={spec!r}: {type(err).__name__}: {err}") from err
-    parser = getattr(module, attr, None)
-    if parser is None:
-        raise AttributeError(f"rollout.agent.tool_parser={spec!r}: {module_name} has no {attr}")
+    parser = load_named(spec, "rollout.agent.tool_parser", "name", "rlflow_tool_parser_")
     if isinstance(parser, type):
         parser = parser()
     if not callable(getattr(parser, "parse", None)):
-        raise TypeError(f"rollout.agent.tool_parser={spec!r}: {attr} has no parse(text) method")
+        raise TypeError(f"rollout.agent.tool_parser={spec!r}: {spec.rpartition(':')[2]} has no parse(text) method")
     return parser
 
 

@@ -356,3 +356,26 @@ def test_openai_endpoint_a_call_waiting_when_its_rollout_ends_records_nothing(to
         endpoint.stop()
     assert len(errors) == 1 and "ended while its call waited" in str(errors[0])
     assert (session.prompt, session.ids, len(session.calls)) == snapshot == (tok("1=")["input_ids"], [], 0)
+
+
+def test_a_tool_parser_that_cannot_be_used_is_named_with_its_key(tmp_path):
+    """rollout.agent.tool_parser: each way it can be wrong raises before Ray starts, naming the key."""
+    from controllers.openai_endpoint import load_tool_parser
+    from rlflow.agents.examples.calculator_openai import CompactCalls
+    from rlflow.agents.tools import HermesToolParser
+
+    assert isinstance(load_tool_parser("hermes"), HermesToolParser)
+    assert isinstance(load_tool_parser("rlflow.agents.examples.calculator_openai:CompactCalls"), CompactCalls)
+    no_parse = tmp_path / "no_parse.py"
+    no_parse.write_text("class Parser:\n    pass\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('broken on import')\n")
+    key = r"rollout\.agent\.tool_parser="
+    for spec, error, pattern in (("qwen", ValueError, key + r"'qwen': expected 'hermes'"),
+                                 (f"{tmp_path}/absent.py:Parser", FileNotFoundError, key + ".*no file"),
+                                 (f"{broken}:Parser", ImportError, key + ".*RuntimeError: broken on import"),
+                                 ("rlflow.no_such_module:Parser", ImportError, key + ".*cannot import"),
+                                 (f"{no_parse}:Other", AttributeError, key + ".*has no Other"),
+                                 (f"{no_parse}:Parser", TypeError, key + ".*Parser has no parse")):
+        with pytest.raises(error, match=pattern):
+            load_tool_parser(spec)
