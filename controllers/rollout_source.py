@@ -598,7 +598,7 @@ class StreamingQueue:
         section = self.cfg.algorithm.filter_groups
         filling = section.enable and section.on_cap == "fill" and self._past_filter_cap()
         if self.cfg.rollout.partial.batch_order == "submitted":
-            # a group submitted at step s has a uid below (s + k + 1) * B, so it trains by step s + k
+            # within the bound: each step takes the B first of at most (k + 1) * B accounted for (docstring)
             first = sorted([*self.ready, *self.in_flight])[:size]
             if any(uid in self.in_flight for uid in first):
                 return None
