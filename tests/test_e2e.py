@@ -83,7 +83,7 @@ def test_grpo_starts_no_critic(ray_session, tiny_model_dir, tmp_path, policy_los
         if own is not None:
             assert 0 < metrics[own] <= 2.0, metrics[own]  # a weight near 1: the update moved the policy a little
     finally:
-        trainer.shutdown()
+        trainer.shutdown(keep_workers=True)  # the next test of this layout takes the processes
 
 
 def _weight_share_files() -> set[str]:
@@ -118,7 +118,7 @@ def test_weight_sync_changes_rollout_outputs(ray_session, tiny_model_dir, tmp_pa
             assert torch.equal(tensor, weights_after[name]), f"rollout weight {name} differs from the actor's"
         assert not torch.equal(before["responses"], after["responses"]), "greedy outputs unchanged after sync"
     finally:
-        trainer.shutdown()
+        trainer.shutdown(keep_workers=True)  # the next test of this layout takes the processes
 
 
 def test_fit_uses_an_already_initialised_ray_and_returns_history(ray_session, tiny_model_dir, tmp_path):
