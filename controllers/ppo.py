@@ -364,9 +364,14 @@ class PPOTrainer:
 
     def _share_cores(self, running: list[str]) -> None:
         """The processes of the roles about to compute get their share of the cores for the phase
-        (controllers/setup.py CoreShare): a phase that runs alone gets all of them."""
+        (controllers/setup.py CoreShare): a phase that runs alone gets all of them. rollout.partial
+        (HF): the trainers take every core and the stream keeps its share beside them, one thread
+        more than there are cores: the step waits for the update, not for the stream, which is
+        ahead (docs/results/async.md, the thread policy)."""
         self.phase += 1
-        threads = self.cores.threads(running, generating=self.cores.generates_ahead and self.rollouts.generating())
+        generating = (self.cores.generates_ahead and self.rollouts.generating()
+                      and not self._rollout_threads_follow_phases)
+        threads = self.cores.threads(running, generating=generating)
         self._tell_threads(running, "set_threads", threads)
         self._share_cores_with_rollout(trainers_running=True)
 

@@ -97,7 +97,8 @@ def test_an_update_takes_the_rollouts_cores_once_it_stops_generating(ray_session
 def test_partial_rollout_takes_every_core_while_the_step_waits_for_its_batch(ray_session, tiny_model_dir, tmp_path,
                                                                            monkeypatch):
     """rollout.partial (HF engine): the rollout rank generates through every phase; while the step
-    waits for its batch it is told all 4 cores, when the actor's phases start its share, 2."""
+    waits for its batch it is told all 4 cores, when the actor's phases start its share, 2; the
+    actor computes with all 4 beside it."""
     from inspecting_workers import SharesRecordingRollout, SlowFirstMicroActor
 
     seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch,
@@ -105,6 +106,7 @@ def test_partial_rollout_takes_every_core_while_the_step_waits_for_its_batch(ray
                        **{"algorithm.adv_estimator": "grpo", "trainer.max_staleness": 1, "rollout.name": "hf",
                           "rollout.partial.enable": True})
     assert seen["rollout"] == [("set", 4), ("set", 2)] * 2
+    assert {threads for _, threads in seen["actor"]} == {4}
 
 
 def test_a_vllm_cpu_engine_binds_to_its_share_of_the_cores():
