@@ -29,10 +29,10 @@ from controllers.recovery import AsyncSaver, Preemption, Recovery
 from controllers.roles import MODEL_INPUT_KEYS, Role, RunContext, enabled_roles, resolve_roles
 from controllers.rollout_source import check_resumable
 from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
-                               core_share, critic_model_path, init_models, layout_key, load_tokenizer, make_agent_loop,
+                               core_share, critic_model_path, init_models, load_tokenizer, make_agent_loop,
                                make_data, make_kl_controller, make_replay, make_reward_manager, make_rollouts,
-                               make_scorer, place_roles, reinit_worker_groups, resolve_model_path, rows_in_memory,
-                               start_env_pool, start_ray, start_worker_groups)
+                               make_scorer, parking_keys, place_roles, reinit_worker_groups, resolve_model_path,
+                               rows_in_memory, start_env_pool, start_ray, start_worker_groups)
 from controllers.worker_group import IDLE_WORKERS, WorkerError, all_finished, gather_groups, stop_workers
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
 from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
@@ -152,18 +152,18 @@ class PPOTrainer:
                                       lambda: self.weight_version, self.tokenizer, self.agent)
 
     def start_groups(self) -> None:
-        """Every active role's worker group (the processes a completed run parked for this layout,
-        or new ones) with its model loaded."""
+        """Every active role's worker group (the groups completed runs parked for this run's roles,
+        new ones for the rest) with its model loaded."""
         cfg = self.cfg
-        self.layout_key = layout_key(cfg, self.active_roles)
-        parked = IDLE_WORKERS.claim(self.layout_key)  # the last run's processes, if its layout was this one
-        if parked is None:
-            placement = place_roles(cfg, self.active_roles)
+        self.parking = parking_keys(cfg, self.active_roles)
+        claimed = IDLE_WORKERS.claim(self.parking)
+        if claimed:
+            reinit_worker_groups(cfg, claimed, self.groups, self.cores)  # shutdown stops self.groups
+        missing = {name: role for name, role in self.active_roles.items() if name not in claimed}
+        if missing:
+            placement = place_roles(cfg, missing)
             self.pools = placement.pools
-            start_worker_groups(cfg, self.active_roles, placement, self.groups, self.cores)  # shutdown stops self.groups
-        else:
-            self.pools = parked[0]
-            reinit_worker_groups(cfg, self.active_roles, parked[1], self.groups, self.cores)
+            start_worker_groups(cfg, missing, placement, self.groups, self.cores)
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
         init_models(self.active_roles, self.groups, context)
@@ -651,7 +651,7 @@ class PPOTrainer:
 
     def shutdown(self, keep_workers: bool = False) -> None:
         """Stops the run's processes; keep_workers (a run that completed): its worker groups wait
-        trainer.keep_workers_s for the next run in this driver with the same layout (IdleWorkers)."""
+        trainer.keep_workers_s for the next run in this driver with the same roles (IdleWorkers)."""
         if getattr(self, "saver", None) is not None:
             with contextlib.suppress(Exception):
                 self.saver.finished(wait=True)  # a checkpoint being written is finished, whatever else failed
@@ -666,8 +666,8 @@ class PPOTrainer:
         if hasattr(getattr(self, "agent", None), "close"):
             with contextlib.suppress(Exception):
                 self.agent.close()  # rollout.agent.fn's OpenAI endpoint
-        if keep_workers and self.groups and IDLE_WORKERS.park(getattr(self, "layout_key", None), self.pools,
-                                                              self.groups, self.cfg.trainer.keep_workers_s):
+        if keep_workers and self.groups and IDLE_WORKERS.park(getattr(self, "parking", None), self.groups,
+                                                              self.cfg.trainer.keep_workers_s):
             self.groups, self.pools = {}, []
             return
         stop_workers(self.groups.values(), self.pools)

@@ -333,20 +333,31 @@ def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], placement: Pl
             raise errors[0]
 
 
-def layout_key(cfg: RLFlowConfig, roles: dict[str, Role]) -> tuple:
-    """What a run must share with a finished one to take its worker processes (IdleWorkers,
-    controllers/worker_group.py): the roles, their worker classes and ranks, the placement, the
-    workers' environment and the rollout engine."""
+def parking_keys(cfg: RLFlowConfig, roles: dict[str, Role]) -> dict[tuple, tuple[str, ...]]:
+    """{key: roles}: what a run must share with a finished one to take its worker groups (IdleWorkers,
+    controllers/worker_group.py). Where the placement is only CPU accounting (one node, no GPUs),
+    each role's group on its own: its worker class, ranks, sequence split, CPUs per worker, the
+    workers' environment and, for the rollout group, the engine. Elsewhere the whole layout at once
+    (and the placement): colocated roles share their bundles' GPUs and nodes."""
     trainer = cfg.trainer
-    return (trainer.colocate, trainer.cpus_per_worker, cfg.rollout.name, cfg.rollout.tensor_parallel_size,
-            tuple(sorted(worker_env().items())),
-            tuple((name, role.worker_class(), role.num_processes(cfg), role.sp_size(cfg))
-                  for name, role in sorted(roles.items())))
+    env = tuple(sorted(worker_env().items()))
+
+    def role_key(name: str, role: Role) -> tuple:
+        engine = (cfg.rollout.name, cfg.rollout.tensor_parallel_size) if name == "rollout" else None
+        return (name, role.worker_class(), role.num_processes(cfg), role.sp_size(cfg), engine)
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    if len(nodes) == 1 and not ray.cluster_resources().get("GPU", 0):
+        return {("role", trainer.cpus_per_worker, env, role_key(name, role)): (name,)
+                for name, role in sorted(roles.items())}
+    layout = (trainer.colocate, trainer.cpus_per_worker, env,
+              tuple(role_key(name, role) for name, role in sorted(roles.items())))
+    return {("layout", *layout): tuple(sorted(roles))}
 
 
-def reinit_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], parked: dict[str, RayWorkerGroup],
+def reinit_worker_groups(cfg: RLFlowConfig, parked: dict[str, RayWorkerGroup],
                          groups: dict[str, RayWorkerGroup], cores: CoreShare) -> None:
-    """A finished run's groups (IdleWorkers.claim) as this run's, concurrently, each added to
+    """Finished runs' groups (IdleWorkers.claim) as this run's, concurrently, each added to
     `groups` as it is taken (so that shutdown stops them all if one fails)."""
     groups.update(parked)
     with ThreadPoolExecutor(max_workers=len(parked)) as executor:

@@ -62,6 +62,11 @@ class ResourcePool:
     timeout_s: float = 120.0
 
     def __post_init__(self):
+        # the worker groups placed in it that still run: the last one to stop removes it
+        # (RayWorkerGroup.kill), also when another run took that group from the one that made the pool
+        self.num_groups = 0
+        self.removed = False
+        self._lock = threading.Lock()
         bundle = {"CPU": self.cpus_per_bundle}
         if self.gpus_per_bundle:
             bundle["GPU"] = self.gpus_per_bundle
@@ -82,7 +87,26 @@ class ResourcePool:
             )
 
     def remove(self) -> None:
-        remove_placement_group(self.pg)
+        with self._lock:
+            removed, self.removed = self.removed, True
+        if not removed:
+            remove_placement_group(self.pg)
+
+    def add_group(self) -> None:
+        with self._lock:
+            self.num_groups += 1
+
+    def drop_group(self) -> None:
+        with self._lock:
+            self.num_groups -= 1
+            unused = self.num_groups == 0
+        if unused:
+            self.remove()
+
+    def remove_if_unused(self) -> None:
+        """A pool no started group holds (a run that failed while starting its groups)."""
+        if self.num_groups == 0:
+            self.remove()
 
 
 def _per_node() -> str:
@@ -174,6 +198,8 @@ class RayWorkerGroup:
         self.sp_size = sp_size
         self.dp_size = world_size // sp_size
         self._set_timeouts(cfg)
+        self.pool = pool
+        self.killed = False
         if world_size > pool.num_bundles:
             raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
         # WorkerBase.widen_threads runs beside the call in progress; every other call in order
@@ -193,6 +219,7 @@ class RayWorkerGroup:
                 options["runtime_env"] = {"env_vars": dict(env)}
             self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size, num_threads))
         self._form_group()
+        pool.add_group()  # a group that failed to form is stopped with its pool (stop_workers)
 
     def _set_timeouts(self, cfg) -> None:
         self.timeout_s = cfg.trainer.remote_timeout_s
@@ -273,11 +300,16 @@ class RayWorkerGroup:
         return self.collect_dp(self.dispatch_dp_async(method, td, *args), method)
 
     def kill(self) -> None:
+        """Stops the processes; the pool goes with the last of its groups."""
+        if self.killed:
+            return
+        self.killed = True
         for worker in self.workers:
             try:
                 ray.kill(worker, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+        self.pool.drop_group()
 
 
 def all_finished(futures: list) -> bool:
@@ -307,46 +339,58 @@ def gather_groups(calls: list[tuple[RayWorkerGroup, list, str]], startup: bool =
 
 
 class IdleWorkers:
-    """The worker processes of finished runs in this driver, kept for later runs with the same
-    layout (the same roles, worker classes, ranks, placement and worker environment): importing
-    torch and transformers costs every new process seconds of CPU, more than a small run's steps.
-    Each parked set waits trainer.keep_workers_s; at most MAX_PARKED_PROCESSES wait in all (the
-    least recently parked stop first), and a run whose placement group cannot be reserved stops
-    them one set at a time until it can (ResourcePool). Only a run that ended without an error parks
-    its workers, and only when every rank released what it held (RayWorkerGroup.release)."""
+    """The worker groups of finished runs in this driver, kept for later runs: importing torch and
+    transformers costs every new process seconds of CPU, more than a small run's steps. A run parks
+    its groups under keys (setup.parking_keys): one per role where the placement is only CPU
+    accounting (one node, no GPUs), so a later run takes any role it shares with an earlier one
+    (a GRPO run the actor and rollout groups a PPO run left); else one for the whole layout, whose
+    roles must stay together on their bundles (colocated GPUs, nodes). Each parked entry waits
+    trainer.keep_workers_s; at most MAX_PARKED_PROCESSES wait in all (the least recently parked stop
+    first), and a run whose placement group cannot be reserved stops them one entry at a time until
+    it can (ResourcePool). Only a run that ended without an error parks its workers, and only when
+    every rank released what it held (RayWorkerGroup.release)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._parked: list[_Parked] = []  # least recently parked first
 
-    def park(self, key, pools: list, groups: dict, keep_s: float) -> bool:
-        if key is None or keep_s <= 0 or not all(group.release() for group in groups.values()):
+    def park(self, parking: dict, groups: dict, keep_s: float) -> bool:
+        """`parking`: {key: the roles parked under it} covering `groups` ({role: group})."""
+        if not parking or keep_s <= 0 or not all(group.release() for group in groups.values()):
             return False
-        entry = _Parked(key, _job_id(), pools, groups)
-        entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
-        entry.timer.daemon = True
+        job_id = _job_id()
+        entries = [_Parked(key, job_id, {name: groups[name] for name in names}) for key, names in parking.items()]
         with self._lock:
-            self._parked.append(entry)
+            self._parked.extend(entries)
             stopping = []
             while sum(e.num_processes for e in self._parked) > MAX_PARKED_PROCESSES:
                 stopping.append(self._parked.pop(0))
-        entry.timer.start()
+        for entry in entries:
+            if entry not in stopping:
+                entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
+                entry.timer.daemon = True
+                entry.timer.start()
         for old in stopping:
             old.stop()
         return True
 
-    def claim(self, key):
-        """(pools, {role: group}) parked under `key` in this Ray session, or None."""
+    def claim(self, keys) -> dict:
+        """{role: group} of the entries parked under `keys` in this Ray session (the most recently
+        parked for each key); the roles of keys with none are missing."""
+        claimed = {}
         with self._lock:
-            for entry in reversed(self._parked):
-                if entry.key == key and entry.job_id == _job_id():
-                    self._parked.remove(entry)
-                    entry.timer.cancel()
-                    return entry.pools, entry.groups
-        return None
+            for key in keys:
+                for entry in reversed(self._parked):
+                    if entry.key == key and entry.job_id == _job_id():
+                        self._parked.remove(entry)
+                        if entry.timer is not None:
+                            entry.timer.cancel()
+                        claimed.update(entry.groups)
+                        break
+        return claimed
 
     def stop_one(self) -> bool:
-        """Stops the least recently parked set; False when none waits."""
+        """Stops the least recently parked entry; False when none waits."""
         with self._lock:
             entry = self._parked.pop(0) if self._parked else None
         if entry is None:
@@ -370,9 +414,8 @@ class IdleWorkers:
 class _Parked:
     key: tuple
     job_id: str | None
-    pools: list
     groups: dict
-    timer: threading.Timer | None = None  # set by park: stops this set after trainer.keep_workers_s
+    timer: threading.Timer | None = None  # set by park: stops this entry after trainer.keep_workers_s
 
     @property
     def num_processes(self) -> int:
@@ -382,11 +425,12 @@ class _Parked:
         if self.timer is not None:
             self.timer.cancel()
         if self.job_id == _job_id():  # in another Ray session its processes are gone already
-            stop_workers(self.groups.values(), self.pools)
+            stop_workers(self.groups.values())
 
 
-def stop_workers(groups, pools) -> None:
-    """Kills the groups' processes and removes their placement groups (what is gone already is skipped)."""
+def stop_workers(groups, pools=()) -> None:
+    """Kills the groups' processes (each pool goes with the last of its groups), then removes those of
+    `pools` that no group holds (a run that failed while starting); what is gone already is skipped."""
     for group in groups:
         try:
             group.kill()
@@ -394,7 +438,7 @@ def stop_workers(groups, pools) -> None:
             pass
     for pool in pools:
         try:
-            pool.remove()
+            pool.remove_if_unused()
         except Exception:  # noqa: BLE001 - already removed
             pass
 

@@ -1,7 +1,7 @@
 """A completed run parks its worker processes (controllers/worker_group.py, IdleWorkers): a later
-run in the driver with the same layout takes them and trains exactly as on new processes; a run
-that cannot reserve its placement while they wait stops them; a failed run or
-trainer.keep_workers_s=0 parks nothing."""
+run in the driver takes the groups of the roles it shares with it (on one node without GPUs, role by
+role) and trains exactly as on new processes; a run that cannot reserve its placement while they
+wait stops them; a failed run or trainer.keep_workers_s=0 parks nothing."""
 
 from __future__ import annotations
 
@@ -64,29 +64,56 @@ def _same_run(a, b):
         assert all(torch.equal(weights[name], b[0].final_weights[role][name]) for name in weights), role
 
 
-def test_a_later_run_with_the_same_layout_takes_the_processes_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
+def test_a_later_run_takes_the_groups_of_the_roles_it_shares_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
     IDLE_WORKERS.stop()
     first = _fit(tiny_model_dir, tmp_path / "a")
     second = _fit(tiny_model_dir, tmp_path / "b")
     assert second[0].pids == first[0].pids, "the second run ran on the first run's processes"
     _same_run(first, second)
 
-    # another layout (a critic joins) starts its own processes; the first layout's keep waiting
+    # a critic joins: the run takes the actor's and the rollout's processes, starts a critic beside
+    # them (in a placement group of its own), and trains exactly as a run on new processes does
     third = _fit(tiny_model_dir, tmp_path / "c", **{"algorithm.adv_estimator": "gae"})
     grpo_pids = [pid for pids in first[0].pids.values() for pid in pids]
-    gae_pids = [pid for pids in third[0].pids.values() for pid in pids]
-    assert not set(grpo_pids) & set(gae_pids)
+    assert {role: pids for role, pids in third[0].pids.items() if role != "critic"} == first[0].pids
+    assert not set(third[0].pids["critic"]) & set(grpo_pids)
     fourth = _fit(tiny_model_dir, tmp_path / "d")
     assert fourth[0].pids == first[0].pids
     _same_run(first, fourth)
+    critic_pids = third[0].pids["critic"]
+    IDLE_WORKERS.stop()
+    assert _all_exit(grpo_pids + critic_pids)
+    fresh = _fit(tiny_model_dir, tmp_path / "f", **{"algorithm.adv_estimator": "gae"})
+    assert not set(pid for pids in fresh[0].pids.values() for pid in pids) & set(grpo_pids + critic_pids)
+    _same_run(third, fresh)
 
-    # a run whose placement group does not fit beside either parked set (one bundle of 2 roles
-    # taking all but 0.5 of the session's CPUs; the parked sets hold 1.0 and 1.5) stops both
+    # a run whose placement group does not fit beside the parked groups (one bundle of 2 roles
+    # taking all but 0.5 of the session's CPUs; the parked pools hold 1.5) stops them
+    fresh_pids = [pid for pids in fresh[0].pids.values() for pid in pids]
     cpus = float(ray.cluster_resources()["CPU"])
     big = _fit(tiny_model_dir, tmp_path / "e", **{"trainer.cpus_per_worker": (cpus - 0.5) / 2})
-    assert _all_exit(grpo_pids + gae_pids), "the parked sets stopped for the run that needed their CPUs"
+    assert _all_exit(fresh_pids), "the parked groups stopped for the run that needed their CPUs"
     IDLE_WORKERS.stop()
     assert _all_exit([pid for pids in big[0].pids.values() for pid in pids])
+
+
+def test_roles_park_apart_on_one_node_without_gpus_and_together_elsewhere(ray_session, tiny_model_dir, monkeypatch):
+    """Colocated roles share their bundles' GPUs and nodes: there a run takes a whole layout or
+    nothing (no GPU cluster here, so its resources are what the test says)."""
+    from controllers.roles import enabled_roles, resolve_roles
+    from controllers.setup import parking_keys
+    from rlflow import load_config
+
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"algorithm.adv_estimator": "gae"}))
+    roles = enabled_roles(resolve_roles(), cfg)
+    assert len(roles) >= 3
+    assert sorted(parking_keys(cfg, roles).values()) == [(name,) for name in sorted(roles)]
+    one_node = ray.nodes()
+    monkeypatch.setattr(ray, "nodes", lambda: one_node * 2)
+    assert list(parking_keys(cfg, roles).values()) == [tuple(sorted(roles))]
+    monkeypatch.setattr(ray, "nodes", lambda: one_node)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    assert list(parking_keys(cfg, roles).values()) == [tuple(sorted(roles))]
 
 
 def test_keep_workers_s_0_and_a_failed_run_stop_the_processes(ray_session, tiny_model_dir, tmp_path):
@@ -96,7 +123,7 @@ def test_keep_workers_s_0_and_a_failed_run_stop_the_processes(ray_session, tiny_
 
     class FailingTrainer(PidTrainer):
         def train_step(self, step):
-            metrics = super().train_step(step)
+            super().train_step(step)
             raise WorkerError("injected after the first step")
 
     from rlflow import load_config
