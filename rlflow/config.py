@@ -469,8 +469,8 @@ class TrainerConfig:
     max_staleness: int = 0
     remote_timeout_s: float = 600.0  # every remote call and collective of a step
     startup_timeout_s: float = 900.0  # spawning workers and loading models (at least remote_timeout_s)
-    # a completed run's worker processes wait this long for the next run in the same driver with the
-    # same layout (a notebook's next fit), which then skips their start-up; 0: they stop with the run
+    # a completed run's worker processes wait this long for the next run in the same driver that
+    # has their roles (a notebook's next fit), which then skips their start-up; 0: they stop with the run
     keep_workers_s: float = 60.0
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
     colocate: bool = True  # all roles share one placement group of bundles

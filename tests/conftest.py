@@ -52,7 +52,7 @@ def tiny_overrides(model_dir: str, **extra) -> list[str]:
         # rewards scored in the driver: the reward pool's processes (2 per fit) are what
         # tests/test_reward_pool.py and the tests that set reward.num_workers test
         "reward.num_workers": 0,
-        # a completed fit's worker processes wait for any later test of the same layout, not only
+        # a completed fit's worker processes wait for any later test that has their roles, not only
         # the next minute's (a new process costs seconds of imports; IdleWorkers keeps at most
         # MAX_PARKED_PROCESSES, least recently parked stopped first)
         "trainer.keep_workers_s": 900,
