@@ -389,7 +389,10 @@ class PPOTrainer:
 
     def _widen(self, running: list[str]) -> None:
         """The rollout group stopped generating while `running` update: they take its cores from
-        their next micro-batch (CoreShare.widened)."""
+        their next micro-batch (CoreShare.widened). Under rollout.partial (HF) they hold every core
+        already (_share_cores)."""
+        if self._rollout_threads_follow_phases:
+            return
         threads = self.cores.widened(running)
         if threads is not None:
             self._tell_threads(running, "widen_threads", threads)

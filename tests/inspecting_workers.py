@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
+import ray
 import ray.cloudpickle
 import torch
 
@@ -65,6 +66,15 @@ class _ThreadRecording:
 
     def threads_seen(self) -> list[tuple[str, int]]:
         return getattr(self, "thread_log", [])
+
+    @ray.method(concurrency_group="control")  # as WorkerBase's: beside the update it widens
+    def widen_threads(self, num_threads: int, phase: int) -> None:
+        self.widen_log = [*getattr(self, "widen_log", []), num_threads]
+        super().widen_threads(num_threads, phase)
+
+    def widens_told(self) -> list[int]:
+        """The thread counts of every widen_threads call the driver made, in order."""
+        return getattr(self, "widen_log", [])
 
     def update(self, shards):
         self._micro_index = 0

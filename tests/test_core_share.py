@@ -74,7 +74,8 @@ def fit_threads(tiny_model_dir, tmp_path, monkeypatch, worker_classes, **overrid
     try:
         for step in range(2):
             trainer.train_step(step)
-        return {name: ray.get(trainer.groups[name].workers[0].threads_seen.remote()) for name in worker_classes}
+        seen = {name: ray.get(trainer.groups[name].workers[0].threads_seen.remote()) for name in worker_classes}
+        return {**seen, "actor widened to": ray.get(trainer.groups["actor"].workers[0].widens_told.remote())}
     finally:
         trainer.shutdown()
 
@@ -92,13 +93,14 @@ def test_an_update_takes_the_rollouts_cores_once_it_stops_generating(ray_session
     assert seen["rollout"] == [("generate", 2)] * 2
     assert seen["actor"] == [("compute_log_prob", 2), ("micro", 2)] + [("micro", 4)] * 3 + \
         [("compute_log_prob", 4)] + [("micro", 4)] * 4
+    assert seen["actor widened to"] == [4]
 
 
 def test_partial_rollout_takes_every_core_while_the_step_waits_for_its_batch(ray_session, tiny_model_dir, tmp_path,
                                                                            monkeypatch):
     """rollout.partial (HF engine): the rollout rank generates through every phase; while the step
     waits for its batch it is told all 4 cores, when the actor's phases start its share, 2; the
-    actor computes with all 4 beside it."""
+    actor computes with all 4 beside it, and is never told to widen to what it holds."""
     from inspecting_workers import SharesRecordingRollout, SlowFirstMicroActor
 
     seen = fit_threads(tiny_model_dir, tmp_path, monkeypatch,
@@ -107,6 +109,7 @@ def test_partial_rollout_takes_every_core_while_the_step_waits_for_its_batch(ray
                           "rollout.partial.enable": True})
     assert seen["rollout"] == [("set", 4), ("set", 2)] * 2
     assert {threads for _, threads in seen["actor"]} == {4}
+    assert seen["actor widened to"] == [], "told to widen to the cores it holds"
 
 
 def test_a_vllm_cpu_engine_binds_to_its_share_of_the_cores():
