@@ -360,16 +360,16 @@ class IdleWorkers:
             return False
         job_id = _job_id()
         entries = [_Parked(key, job_id, {name: groups[name] for name in names}) for key, names in parking.items()]
+        for entry in entries:
+            entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
+            entry.timer.daemon = True
         with self._lock:
             self._parked.extend(entries)
             stopping = []
             while sum(e.num_processes for e in self._parked) > MAX_PARKED_PROCESSES:
                 stopping.append(self._parked.pop(0))
         for entry in entries:
-            if entry not in stopping:
-                entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
-                entry.timer.daemon = True
-                entry.timer.start()
+            entry.timer.start()  # an entry stopping at once cancels its own (_Parked.stop)
         for old in stopping:
             old.stop()
         return True
@@ -377,14 +377,13 @@ class IdleWorkers:
     def claim(self, keys) -> dict:
         """{role: group} of the entries parked under `keys` in this Ray session (the most recently
         parked for each key); the roles of keys with none are missing."""
-        claimed = {}
+        claimed, job_id = {}, _job_id()
         with self._lock:
             for key in keys:
                 for entry in reversed(self._parked):
-                    if entry.key == key and entry.job_id == _job_id():
+                    if entry.key == key and entry.job_id == job_id:
                         self._parked.remove(entry)
-                        if entry.timer is not None:
-                            entry.timer.cancel()
+                        entry.timer.cancel()
                         claimed.update(entry.groups)
                         break
         return claimed
