@@ -158,7 +158,7 @@ class PPOTrainer:
         self.parking = parking_keys(cfg, self.active_roles)
         claimed = IDLE_WORKERS.claim(self.parking)
         if claimed:
-            reinit_worker_groups(cfg, claimed, self.groups, self.cores)  # shutdown stops self.groups
+            reinit_worker_groups(cfg, self.active_roles, claimed, self.groups, self.cores)  # shutdown stops self.groups
         missing = {name: role for name, role in self.active_roles.items() if name not in claimed}
         if missing:
             placement = place_roles(cfg, missing)

@@ -333,35 +333,39 @@ def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], placement: Pl
             raise errors[0]
 
 
-def parking_keys(cfg: RLFlowConfig, roles: dict[str, Role]) -> dict[tuple, tuple[str, ...]]:
-    """{key: roles}: what a run must share with a finished one to take its worker groups (IdleWorkers,
+def parking_keys(cfg: RLFlowConfig, roles: dict[str, Role]) -> list[tuple[tuple, tuple[str, ...]]]:
+    """[(key, roles)]: what a run must share with a finished one to take its worker groups (IdleWorkers,
     controllers/worker_group.py). Where the placement is only CPU accounting (one node, no GPUs),
-    each role's group on its own: its worker class, ranks, sequence split, CPUs per worker, the
-    workers' environment and, for the rollout group, the engine. Elsewhere the whole layout at once
-    (and the placement): colocated roles share their bundles' GPUs and nodes."""
+    each role's group on its own, and any role's: a process hosts any role's worker
+    (workers/process.py), so a group is its number of ranks, the CPUs each reserves and the workers'
+    environment, all fixed when its processes start. Elsewhere the whole layout at once (and the
+    placement): colocated roles share their bundles' GPUs and nodes."""
     trainer = cfg.trainer
     env = tuple(sorted(worker_env().items()))
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    if len(nodes) == 1 and not ray.cluster_resources().get("GPU", 0):
+        return [(("ranks", trainer.cpus_per_worker, env, role.num_processes(cfg)), (name,))
+                for name, role in sorted(roles.items())]
 
     def role_key(name: str, role: Role) -> tuple:
         engine = (cfg.rollout.name, cfg.rollout.tensor_parallel_size) if name == "rollout" else None
         return (name, role.worker_class(), role.num_processes(cfg), role.sp_size(cfg), engine)
 
-    nodes = [node for node in ray.nodes() if node.get("Alive")]
-    if len(nodes) == 1 and not ray.cluster_resources().get("GPU", 0):
-        return {("role", trainer.cpus_per_worker, env, role_key(name, role)): (name,)
-                for name, role in sorted(roles.items())}
     layout = (trainer.colocate, trainer.cpus_per_worker, env,
               tuple(role_key(name, role) for name, role in sorted(roles.items())))
-    return {("layout", *layout): tuple(sorted(roles))}
+    return [(("layout", *layout), tuple(sorted(roles)))]
 
 
-def reinit_worker_groups(cfg: RLFlowConfig, parked: dict[str, RayWorkerGroup],
+def reinit_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], parked: dict[str, RayWorkerGroup],
                          groups: dict[str, RayWorkerGroup], cores: CoreShare) -> None:
-    """Finished runs' groups (IdleWorkers.claim) as this run's, concurrently, each added to
-    `groups` as it is taken (so that shutdown stops them all if one fails)."""
+    """Finished runs' groups (IdleWorkers.claim) as the ranks of this run's roles, concurrently, each
+    added to `groups` as it is taken (so that shutdown stops them all if one fails)."""
     groups.update(parked)
     with ThreadPoolExecutor(max_workers=len(parked)) as executor:
-        for future in [executor.submit(group.reinit, cfg, cores.start_threads(name)) for name, group in parked.items()]:
+        futures = [executor.submit(group.reinit, cfg, cores.start_threads(name), roles[name].worker_class(), name,
+                                   roles[name].sp_size(cfg))
+                   for name, group in parked.items()]
+        for future in futures:
             future.result()
 
 
@@ -412,7 +416,7 @@ def choose_weight_sync(rollout_cfg, groups: dict[str, RayWorkerGroup]) -> str:
         open_collective_sync(groups["actor"], groups["rollout"], rollout_cfg.weight_sync_bucket_mb)
         return mode
     actor, rollout = groups["actor"], groups["rollout"]
-    actor_node = actor.gather([actor.workers[0].node_id.remote()], "node_id", startup=True)[0]
+    actor_node = actor.gather(actor.call_rank_async(0, "node_id"), "node_id", startup=True)[0]
     rollout_nodes = set(rollout.gather(rollout.call_all_async("node_id"), "node_id", startup=True))
     try:
         if rollout_nodes != {actor_node}:
@@ -421,7 +425,7 @@ def choose_weight_sync(rollout_cfg, groups: dict[str, RayWorkerGroup]) -> str:
         try:
             rollout.gather(rollout.call_all_async("attach_weight_share", layout), "attach_weight_share", startup=True)
         finally:
-            actor.gather([actor.workers[0].unlink_weight_share.remote()], "unlink_weight_share", startup=True)
+            actor.gather(actor.call_rank_async(0, "unlink_weight_share"), "unlink_weight_share", startup=True)
     except WorkerError as err:
         if mode == "shared_memory":
             raise WorkerError(f"rollout.weight_sync=shared_memory cannot be used: {err}") from err
@@ -435,7 +439,7 @@ def open_collective_sync(actor: RayWorkerGroup, rollout: RayWorkerGroup, bucket_
     rank join a process group of their own; the bucket layout goes to the rollout ranks once."""
     key = "rollout.weight_sync=collective"
     actor_device, rollout_devices = gather_groups(
-        [(actor, [actor.workers[0].weight_sync_device.remote()], "weight_sync_device"),
+        [(actor, actor.call_rank_async(0, "weight_sync_device"), "weight_sync_device"),
          (rollout, rollout.call_all_async("weight_sync_device"), "weight_sync_device")], startup=True)
     members = [("actor rank 0", actor_device[0])] + [(f"rollout rank {r}", d) for r, d in enumerate(rollout_devices)]
     for name, (kind, _) in members[1:]:
@@ -453,9 +457,9 @@ def open_collective_sync(actor: RayWorkerGroup, rollout: RayWorkerGroup, bucket_
     offer = actor.gather(actor.call_all_async("open_weight_sync", world_size, spans_nodes, bucket_mb * 2**20),
                          "open_weight_sync", startup=True)[0]
     layout = ray.put(offer["layout"])
-    joins = [w.join_weight_sync.remote(offer["host"], offer["port"], 1 + rank, world_size, layout, spans_nodes)
-             for rank, w in enumerate(rollout.workers)]
-    gather_groups([(actor, [actor.workers[0].join_weight_sync.remote()], "join_weight_sync"),
+    joins = rollout.call_per_rank_async("join_weight_sync", [(offer["host"], offer["port"], 1 + rank, world_size, layout,
+                                                              spans_nodes) for rank in range(rollout.world_size)])
+    gather_groups([(actor, actor.call_rank_async(0, "join_weight_sync"), "join_weight_sync"),
                    (rollout, joins, "join_weight_sync")], startup=True)
 
 

@@ -13,6 +13,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tensordict import TensorDict
 
+from workers.process import BESIDE, RemoteWorkerProcess, calls_beside
 from workers.wire import install as install_tensor_wire
 
 
@@ -186,24 +187,20 @@ def _worker_error(label, err: Exception) -> WorkerError:
 
 
 class RayWorkerGroup:
-    """`world_size` Ray actors of `worker_cls`, one per rank, in one torch.distributed group."""
+    """`world_size` Ray actors, one per rank, in one torch.distributed group; each process hosts a
+    `worker_cls` object (workers/process.py), and a later run can host another role's in it."""
 
     def __init__(self, worker_cls, role: str, world_size: int, cfg, pool: ResourcePool,
                  num_cpus: float, num_gpus: float = 0.0, env: dict | None = None, num_threads: int = 1,
                  sp_size: int = 1):
         install_tensor_wire()  # batches the driver sends cross Ray as numpy buffers (workers/wire.py)
-        self.role = role
         self.world_size = world_size
-        # ranks [g*sp, (g+1)*sp) split the sequences of data-parallel rank g (workers/sequence.py)
-        self.sp_size = sp_size
-        self.dp_size = world_size // sp_size
+        self._as_role(worker_cls, role, sp_size)
         self._set_timeouts(cfg)
         self.pool = pool
         self.killed = False
         if world_size > pool.num_bundles:
             raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
-        # WorkerBase.widen_threads runs beside the call in progress; every other call in order
-        remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         self.workers = []
         for rank in range(world_size):
             options = dict(
@@ -217,9 +214,17 @@ class RayWorkerGroup:
             )
             if env:
                 options["runtime_env"] = {"env_vars": dict(env)}
-            self.workers.append(remote_cls.options(**options).remote(cfg, rank, world_size, num_threads))
+            self.workers.append(RemoteWorkerProcess.options(**options).remote(worker_cls, cfg, rank, world_size,
+                                                                              num_threads))
         self._form_group()
         pool.add_group()  # a group that failed to form is stopped with its pool (stop_workers)
+
+    def _as_role(self, worker_cls, role: str, sp_size: int) -> None:
+        self.worker_cls = worker_cls
+        self.role = role
+        # ranks [g*sp, (g+1)*sp) split the sequences of data-parallel rank g (workers/sequence.py)
+        self.sp_size = sp_size
+        self.dp_size = self.world_size // sp_size
 
     def _set_timeouts(self, cfg) -> None:
         self.timeout_s = cfg.trainer.remote_timeout_s
@@ -234,7 +239,7 @@ class RayWorkerGroup:
         self.network = (self._get(self.call_all_async("bind_network", spans_nodes), "bind_network", startup=True)
                         if self.world_size > 1 else [])
         # the group picks rank 0's address and a free port on its host
-        self.master_addr, master_port = self._get([self.workers[0].node_address.remote(spans_nodes)], "node_address",
+        self.master_addr, master_port = self._get(self.call_rank_async(0, "node_address", spans_nodes), "node_address",
                                                   ranks=[0], startup=True)[0]
         self._get(self.call_all_async("init_distributed", self.master_addr, master_port), "init_distributed",
                   startup=True)
@@ -243,16 +248,17 @@ class RayWorkerGroup:
         """The run is over: every rank drops what it built. False (or an error): some rank cannot
         host another run, and the caller stops the group."""
         try:
-            return all(self._get(self.call_all_async("release"), "release"))
+            return all(self._get([w.release.remote() for w in self.workers], "release"))
         except WorkerError:
             return False
 
-    def reinit(self, cfg, num_threads: int) -> None:
-        """The same processes as ranks of a new run (after release): constructed again with `cfg`,
-        then the process group forms again."""
+    def reinit(self, cfg, num_threads: int, worker_cls, role: str, sp_size: int = 1) -> None:
+        """The same processes as the ranks of role `role` in a new run (after release), whatever
+        role they were: each builds a `worker_cls` object with `cfg`, then the process group forms again."""
+        self._as_role(worker_cls, role, sp_size)
         self._set_timeouts(cfg)
-        self._get([w.reinit.remote(cfg, rank, self.world_size, num_threads) for rank, w in enumerate(self.workers)],
-                  "reinit", startup=True)
+        self._get([w.host.remote(worker_cls, cfg, rank, self.world_size, num_threads)
+                   for rank, w in enumerate(self.workers)], "reinit", startup=True)
         self._form_group()
 
     def _labels(self, method: str, ranks) -> list[CallLabel]:
@@ -265,14 +271,27 @@ class RayWorkerGroup:
                                     "trainer.startup_timeout_s")
         return get_with_timeout(futures, self._labels(method, ranks), self.timeout_s)
 
+    def _remote(self, worker, method: str):
+        """The process's call of `method`, named "role.method" (Ray's dashboard and timeline); in
+        its own thread for a method that runs beside the call in progress (runs_beside_calls), else
+        in order."""
+        options = {"name": f"{self.role}.{method}"}
+        if calls_beside(self.worker_cls, method):
+            options["concurrency_group"] = BESIDE
+        return worker.call.options(**options)
+
     def call_all_async(self, method: str, *args, **kwargs) -> list:
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return [self._remote(w, method).remote(method, *args, **kwargs) for w in self.workers]
+
+    def call_rank_async(self, rank: int, method: str, *args) -> list:
+        """One rank's call, as a list of one future (for gather_ranks, gather_groups)."""
+        return [self._remote(self.workers[rank], method).remote(method, *args)]
 
     def call_all(self, method: str, *args, **kwargs) -> list:
         return self._get(self.call_all_async(method, *args, **kwargs), method)
 
     def call_per_rank_async(self, method: str, per_rank_args: list[tuple]) -> list:
-        return [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)]
+        return [self._remote(w, method).remote(method, *args) for w, args in zip(self.workers, per_rank_args)]
 
     def call_per_dp_rank_async(self, method: str, per_dp_rank_args: list[tuple]) -> list:
         """One argument tuple per data-parallel rank, given to each of its sp ranks."""
@@ -341,25 +360,33 @@ def gather_groups(calls: list[tuple[RayWorkerGroup, list, str]], startup: bool =
 class IdleWorkers:
     """The worker groups of finished runs in this driver, kept for later runs: importing torch and
     transformers costs every new process seconds of CPU, more than a small run's steps. A run parks
-    its groups under keys (setup.parking_keys): one per role where the placement is only CPU
-    accounting (one node, no GPUs), so a later run takes any role it shares with an earlier one
-    (a GRPO run the actor and rollout groups a PPO run left); else one for the whole layout, whose
-    roles must stay together on their bundles (colocated GPUs, nodes). Each parked entry waits
+    its groups under keys (setup.parking_keys): one per group where the placement is only CPU
+    accounting (one node, no GPUs), so a later run's role takes any group of its size, whatever role
+    it was (a process hosts any role's worker: workers/process.py); else one for the whole layout,
+    whose roles must stay together on their bundles (colocated GPUs, nodes). Each parked entry waits
     trainer.keep_workers_s; at most MAX_PARKED_PROCESSES wait in all (the least recently parked stop
     first), and a run whose placement group cannot be reserved stops them one entry at a time until
-    it can (ResourcePool). Only a run that ended without an error parks its workers, and only when
-    every rank released what it held (RayWorkerGroup.release)."""
+    it can (ResourcePool). Only a run that ended without an error parks its workers, and only the
+    groups whose every rank released what it held (RayWorkerGroup.release)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._parked: list[_Parked] = []  # least recently parked first
 
-    def park(self, parking: dict, groups: dict, keep_s: float) -> bool:
-        """`parking`: {key: the roles parked under it} covering `groups` ({role: group})."""
-        if not parking or keep_s <= 0 or not all(group.release() for group in groups.values()):
+    def park(self, parking: list, groups: dict, keep_s: float) -> bool:
+        """`parking`: [(key, the roles parked under it)] covering `groups` ({role: group}). An entry
+        parks when all its groups released what their run held; the groups of the others stop here
+        (a vLLM engine's process cannot host another run). False: nothing parked, nothing stopped."""
+        if not parking or keep_s <= 0:
             return False
+        released = {name: group.release() for name, group in groups.items()}
         job_id = _job_id()
-        entries = [_Parked(key, job_id, {name: groups[name] for name in names}) for key, names in parking.items()]
+        entries = [_Parked(key, job_id, tuple(groups[name] for name in names)) for key, names in parking
+                   if all(released[name] for name in names)]
+        if not entries:
+            return False
+        parked = [group for entry in entries for group in entry.groups]
+        stop_workers([group for group in groups.values() if group not in parked])
         for entry in entries:
             entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
             entry.timer.daemon = True
@@ -374,17 +401,18 @@ class IdleWorkers:
             old.stop()
         return True
 
-    def claim(self, keys) -> dict:
-        """{role: group} of the entries parked under `keys` in this Ray session (the most recently
-        parked for each key); the roles of keys with none are missing."""
+    def claim(self, parking: list) -> dict:
+        """{role: group}: for each (key, roles) of `parking`, the groups of an entry parked under
+        `key` in this Ray session (the most recently parked), in the order of `roles`; the roles
+        of keys with none left are missing."""
         claimed, job_id = {}, _job_id()
         with self._lock:
-            for key in keys:
+            for key, names in parking:
                 for entry in reversed(self._parked):
                     if entry.key == key and entry.job_id == job_id:
                         self._parked.remove(entry)
                         entry.timer.cancel()
-                        claimed.update(entry.groups)
+                        claimed.update(zip(names, entry.groups))
                         break
         return claimed
 
@@ -413,18 +441,18 @@ class IdleWorkers:
 class _Parked:
     key: tuple
     job_id: str | None
-    groups: dict
+    groups: tuple  # in the order of the roles parked under the key
     timer: threading.Timer | None = None  # set by park: stops this entry after trainer.keep_workers_s
 
     @property
     def num_processes(self) -> int:
-        return sum(group.world_size for group in self.groups.values())
+        return sum(group.world_size for group in self.groups)
 
     def stop(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
         if self.job_id == _job_id():  # in another Ray session its processes are gone already
-            stop_workers(self.groups.values())
+            stop_workers(self.groups)
 
 
 def stop_workers(groups, pools=()) -> None:

@@ -14,6 +14,7 @@ import torch
 from rlflow.protocol import get_meta
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
+from workers.process import runs_beside_calls
 from workers.rollout.worker import RolloutWorker
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -67,7 +68,7 @@ class _ThreadRecording:
     def threads_seen(self) -> list[tuple[str, int]]:
         return getattr(self, "thread_log", [])
 
-    @ray.method(concurrency_group="control")  # as WorkerBase's: beside the update it widens
+    @runs_beside_calls  # as WorkerBase's: beside the update it widens
     def widen_threads(self, num_threads: int, phase: int) -> None:
         self.widen_log = [*getattr(self, "widen_log", []), num_threads]
         super().widen_threads(num_threads, phase)

@@ -191,7 +191,7 @@ def test_the_next_batch_is_scored_while_the_actor_updates(tiny_model_dir, tmp_pa
             trainer.train_step(step)
         import ray
 
-        intervals = ray.get(actor.workers[0].update_intervals.remote())
+        intervals = ray.get(actor.call_rank_async(0, "update_intervals"))[0]
     finally:
         trainer.shutdown()
     kinds = [kind for kind, _ in events]

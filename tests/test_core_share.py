@@ -74,8 +74,8 @@ def fit_threads(tiny_model_dir, tmp_path, monkeypatch, worker_classes, **overrid
     try:
         for step in range(2):
             trainer.train_step(step)
-        seen = {name: ray.get(trainer.groups[name].workers[0].threads_seen.remote()) for name in worker_classes}
-        return {**seen, "actor widened to": ray.get(trainer.groups["actor"].workers[0].widens_told.remote())}
+        seen = {name: ray.get(trainer.groups[name].call_rank_async(0, "threads_seen"))[0] for name in worker_classes}
+        return {**seen, "actor widened to": ray.get(trainer.groups["actor"].call_rank_async(0, "widens_told"))[0]}
     finally:
         trainer.shutdown()
 

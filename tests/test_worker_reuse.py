@@ -1,7 +1,7 @@
 """A completed run parks its worker processes (controllers/worker_group.py, IdleWorkers): a later
-run in the driver takes the groups of the roles it shares with it (on one node without GPUs, role by
-role) and trains exactly as on new processes; a run that cannot reserve its placement while they
-wait stops them; a failed run or trainer.keep_workers_s=0 parks nothing."""
+run in the driver takes them (on one node without GPUs, a group of any role for a role of its
+size: workers/process.py) and trains exactly as on new processes; a run that cannot reserve its
+placement while they wait stops them; a failed run or trainer.keep_workers_s=0 parks nothing."""
 
 from __future__ import annotations
 
@@ -64,56 +64,69 @@ def _same_run(a, b):
         assert all(torch.equal(weights[name], b[0].final_weights[role][name]) for name in weights), role
 
 
-def test_a_later_run_takes_the_groups_of_the_roles_it_shares_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
+def _pids(run) -> set[int]:
+    return {pid for pids in run[0].pids.values() for pid in pids}
+
+
+def test_a_later_run_takes_groups_of_any_role_and_trains_exactly(ray_session, tiny_model_dir, tmp_path):
     IDLE_WORKERS.stop()
     first = _fit(tiny_model_dir, tmp_path / "a")
     second = _fit(tiny_model_dir, tmp_path / "b")
-    assert second[0].pids == first[0].pids, "the second run ran on the first run's processes"
+    assert _pids(second) == _pids(first), "the second run ran on the first run's processes"
     _same_run(first, second)
 
-    # a critic joins: the run takes the actor's and the rollout's processes, starts a critic beside
-    # them (in a placement group of its own), and trains exactly as a run on new processes does
+    # a critic joins: the run takes every process the GRPO run left, whatever role each hosted, and
+    # starts one more; it trains exactly as a run on new processes does
     third = _fit(tiny_model_dir, tmp_path / "c", **{"algorithm.adv_estimator": "gae"})
-    grpo_pids = [pid for pids in first[0].pids.values() for pid in pids]
-    assert {role: pids for role, pids in third[0].pids.items() if role != "critic"} == first[0].pids
-    assert not set(third[0].pids["critic"]) & set(grpo_pids)
+    grpo_pids = _pids(first)
+    assert grpo_pids < _pids(third) and len(_pids(third) - grpo_pids) == 1
+    role_of = {pid: role for role, pids in first[0].pids.items() for pid in pids}
+    moved = {role: role_of[pid] for role, pids in third[0].pids.items() for pid in pids if pid in role_of and
+             role_of[pid] != role}
+    assert moved, "some process hosts another role than in the first run"
     fourth = _fit(tiny_model_dir, tmp_path / "d")
-    assert fourth[0].pids == first[0].pids
+    assert _pids(fourth) < _pids(third)
     _same_run(first, fourth)
-    critic_pids = third[0].pids["critic"]
+    third_pids = _pids(third)
     IDLE_WORKERS.stop()
-    assert _all_exit(grpo_pids + critic_pids)
+    assert _all_exit(third_pids)
     fresh = _fit(tiny_model_dir, tmp_path / "f", **{"algorithm.adv_estimator": "gae"})
-    assert not set(pid for pids in fresh[0].pids.values() for pid in pids) & set(grpo_pids + critic_pids)
+    assert not _pids(fresh) & third_pids
     _same_run(third, fresh)
 
     # a run whose placement group does not fit beside the parked groups (one bundle of 2 roles
     # taking all but 0.5 of the session's CPUs; the parked pools hold 1.5) stops them
-    fresh_pids = [pid for pids in fresh[0].pids.values() for pid in pids]
+    fresh_pids = _pids(fresh)
     cpus = float(ray.cluster_resources()["CPU"])
     big = _fit(tiny_model_dir, tmp_path / "e", **{"trainer.cpus_per_worker": (cpus - 0.5) / 2})
     assert _all_exit(fresh_pids), "the parked groups stopped for the run that needed their CPUs"
     IDLE_WORKERS.stop()
-    assert _all_exit([pid for pids in big[0].pids.values() for pid in pids])
+    assert _all_exit(_pids(big))
 
 
-def test_roles_park_apart_on_one_node_without_gpus_and_together_elsewhere(ray_session, tiny_model_dir, monkeypatch):
-    """Colocated roles share their bundles' GPUs and nodes: there a run takes a whole layout or
-    nothing (no GPU cluster here, so its resources are what the test says)."""
+def test_groups_park_by_size_on_one_node_without_gpus_and_as_a_layout_elsewhere(ray_session, tiny_model_dir,
+                                                                                 monkeypatch):
+    """On one node without GPUs a group parks under its size (and the CPUs and environment its
+    processes started with), whatever its role. Colocated roles share their bundles' GPUs and
+    nodes: there a run takes a whole layout or nothing (no GPU cluster here, so its resources are
+    what the test says)."""
     from controllers.roles import enabled_roles, resolve_roles
     from controllers.setup import parking_keys
     from rlflow import load_config
 
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"algorithm.adv_estimator": "gae"}))
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{"algorithm.adv_estimator": "gae", "actor.dp_size": 2}))
     roles = enabled_roles(resolve_roles(), cfg)
     assert len(roles) >= 3
-    assert sorted(parking_keys(cfg, roles).values()) == [(name,) for name in sorted(roles)]
+    parking = parking_keys(cfg, roles)
+    assert [names for _, names in parking] == [(name,) for name in sorted(roles)]
+    key_of = {names[0]: key for key, names in parking}
+    assert key_of["actor"] == key_of["critic"] != key_of["rollout"]  # 2 ranks (the critic follows the actor), 1
     one_node = ray.nodes()
     monkeypatch.setattr(ray, "nodes", lambda: one_node * 2)
-    assert list(parking_keys(cfg, roles).values()) == [tuple(sorted(roles))]
+    assert [names for _, names in parking_keys(cfg, roles)] == [tuple(sorted(roles))]
     monkeypatch.setattr(ray, "nodes", lambda: one_node)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
-    assert list(parking_keys(cfg, roles).values()) == [tuple(sorted(roles))]
+    assert [names for _, names in parking_keys(cfg, roles)] == [tuple(sorted(roles))]
 
 
 def test_keep_workers_s_0_and_a_failed_run_stop_the_processes(ray_session, tiny_model_dir, tmp_path):

@@ -8,12 +8,12 @@ import os
 import random
 import socket
 
-import ray
 import torch
 import torch.distributed as dist
 
 from rlflow.config import RLFlowConfig, packs_sequences
 from rlflow.plugins import import_modules
+from workers.process import runs_beside_calls
 from workers.sequence import NO_SEQUENCE_PARALLEL, PADDED, SequenceLayout, sequence_parallel_groups, use_packed_attention
 
 
@@ -184,7 +184,7 @@ class WorkerBase:
         self._phase, self._phase_threads, self._widen_to = phase, num_threads, None
         torch.set_num_threads(num_threads)
 
-    @ray.method(concurrency_group="control")
+    @runs_beside_calls
     def widen_threads(self, num_threads: int, phase: int) -> None:
         """The phase that ran beside phase `phase` ended: the update running in it takes
         `num_threads` from its next micro-batch (runs beside the call, in its own thread)."""
@@ -291,7 +291,8 @@ class WorkerBase:
     # -- one process, several runs (controllers/worker_group.py, IdleWorkers) ----------------------
     def release(self) -> bool:
         """The run is over: drop everything it built (models, optimizers, process group) so this
-        process can host a later run's rank. False: it cannot (the driver then stops it)."""
+        process can host a later run's rank, of any role (workers/process.py). False: it cannot
+        (the driver then stops it)."""
         self.shutdown()
         self.__dict__.clear()
         torch.use_deterministic_algorithms(False)  # a deterministic run set it for the process
@@ -299,10 +300,6 @@ class WorkerBase:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the allocator's cached blocks: the device's memory, not the process's
         return True
-
-    def reinit(self, cfg: RLFlowConfig, rank: int, world_size: int, num_threads: int = 1) -> None:
-        """After release(): this rank of a new run, as a freshly spawned worker would be."""
-        type(self).__init__(self, cfg, rank, world_size, num_threads)
 
     # -- helpers ----------------------------------------------------------------------------------
     @property

@@ -69,7 +69,7 @@ def _trainer_class():
             while self.schedule and self.schedule[0][0] == step + 1:
                 at, role, method, action = self.schedule.pop(0)
                 record = os.path.join(self.record_dir, f"fault-{at}")
-                ray.get(self.groups[role].workers[0].arm_fault.remote(method, action, record))
+                ray.get(self.groups[role].call_rank_async(0, "arm_fault", method, action, record))
             return super().train_step(step)
 
     return ArmingTrainer
