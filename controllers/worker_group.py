@@ -442,15 +442,14 @@ class _Parked:
     key: tuple
     job_id: str | None
     groups: tuple  # in the order of the roles parked under the key
-    timer: threading.Timer | None = None  # set by park: stops this entry after trainer.keep_workers_s
+    timer: threading.Timer | None = None  # set by park before the entry is visible: stops it after trainer.keep_workers_s
 
     @property
     def num_processes(self) -> int:
         return sum(group.world_size for group in self.groups)
 
     def stop(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        self.timer.cancel()
         if self.job_id == _job_id():  # in another Ray session its processes are gone already
             stop_workers(self.groups)
 

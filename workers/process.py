@@ -7,8 +7,6 @@ and any worker class in a later run (IdleWorkers), so a later run pays no new pr
 
 from __future__ import annotations
 
-import gc
-
 import ray
 
 # the Ray concurrency group of the calls that run beside the call in progress (WorkerBase.widen_threads)
@@ -39,9 +37,8 @@ class WorkerProcess:
     def release(self) -> bool:
         """The run is over: the worker drops all it built. False: this process cannot host another
         rank (its worker said so), and the group stops it."""
-        reusable = self.worker.release()
+        reusable = self.worker.release()  # WorkerBase.release collects what the worker held
         self.worker = None
-        gc.collect()
         return reusable
 
     def host(self, worker_cls, *args) -> None:
