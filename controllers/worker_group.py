@@ -442,7 +442,8 @@ class _Parked:
     key: tuple
     job_id: str | None
     groups: tuple  # in the order of the roles parked under the key
-    timer: threading.Timer | None = None  # set by park before the entry is visible: stops it after trainer.keep_workers_s
+    # set by park before the entry is visible: stops it after trainer.keep_workers_s
+    timer: threading.Timer | None = None
 
     @property
     def num_processes(self) -> int:
