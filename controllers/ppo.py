@@ -31,9 +31,10 @@ from controllers.rollout_source import check_resumable
 from controllers.setup import (check_env_and_reward_model, check_reward_fn, choose_weight_sync, connect_reward_model,
                                core_share, critic_model_path, init_models, load_tokenizer, make_agent_loop,
                                make_data, make_kl_controller, make_replay, make_reward_manager, make_rollouts,
-                               make_scorer, parking_keys, place_roles, reinit_worker_groups, resolve_model_path,
+                               make_scorer, parking_keys, place_roles, resolve_model_path,
                                rows_in_memory, start_env_pool, start_ray, start_worker_groups)
-from controllers.worker_group import IDLE_WORKERS, WorkerError, all_finished, gather_groups, stop_workers
+from controllers.worker_group import (IDLE_WORKERS, RELEASE_WAIT_S, WorkerError, all_finished, gather_groups,
+                                     release_groups, stop_workers)
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
 from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
 from rlflow.config import RLFlowConfig, config_to_dict, load_config, micro_batch_token_budget, to_dataclass
@@ -136,11 +137,12 @@ class PPOTrainer:
         self.score.start()  # the judge's processes load their model while the workers start
         self.start_workers()
 
-    def start_workers(self) -> None:
+    def start_workers(self, kept: dict | None = None, stopped: dict | None = None) -> None:
         """The worker groups with their models, and what the driver wires to them (the agent loop,
-        the reward model, the weight sync, the rollout source); again after a lost worker."""
+        the reward model, the weight sync, the rollout source); again after a lost worker (kept,
+        stopped: release_worker_groups)."""
         cfg = self.cfg
-        self.start_groups()
+        self.start_groups(kept, stopped)
         if self.env_pool is None:  # its processes replace themselves; a restart keeps it
             self.env_pool = start_env_pool(cfg, self.groups)
         if getattr(self, "agent", None) is not None and hasattr(self.agent, "close"):
@@ -151,27 +153,34 @@ class PPOTrainer:
         self.rollouts = make_rollouts(cfg, self.replay, self.loader, self.groups, self.score,
                                       lambda: self.weight_version, self.tokenizer, self.agent)
 
-    def start_groups(self) -> None:
-        """Every active role's worker group (the groups completed runs parked for this run's roles,
-        new ones for the rest) with its model loaded."""
+    def start_groups(self, kept: dict | None = None, stopped: dict | None = None) -> None:
+        """Every active role's worker group with its model loaded. At the start: the groups completed
+        runs parked for this run's roles, new ones for the rest. After a lost worker: the kept groups
+        host their roles again; a stopped group's role gets new processes in its placement group
+        while a kept group holds it (colocated ranks share bundles), else in a new one."""
         cfg = self.cfg
         self.parking = parking_keys(cfg, self.active_roles)
-        claimed = IDLE_WORKERS.claim(self.parking)
-        if claimed:
-            reinit_worker_groups(cfg, self.active_roles, claimed, self.groups, self.cores)  # shutdown stops self.groups
-        missing = {name: role for name, role in self.active_roles.items() if name not in claimed}
+        rehost = IDLE_WORKERS.claim(self.parking) if kept is None else kept
+        self.groups.update(rehost)  # shutdown stops them if what follows fails
+        restart = {name: group for name, group in (stopped or {}).items() if not group.pool.removed}
+        missing = {name: role for name, role in self.active_roles.items() if name not in rehost and name not in restart}
+        placement = None
         if missing:
             placement = place_roles(cfg, missing)
             self.pools = placement.pools
-            start_worker_groups(cfg, missing, placement, self.groups, self.cores)
+        start_worker_groups(cfg, self.active_roles, self.groups, self.cores, placement, rehost, restart)
         context = RunContext(cfg, self.model_path, self.critic_path, self.tokenizer.pad_token_id,
                              self.tokenizer.eos_token_id)
         init_models(self.active_roles, self.groups, context)
 
-    def stop_worker_groups(self) -> None:
-        """Stops every worker group (a lost worker's peers too: they may be stuck in a collective)."""
-        stop_workers(self.groups.values(), self.pools)
-        self.groups, self.pools = {}, []
+    def release_worker_groups(self, lost_roles) -> tuple[dict, dict]:
+        """After a lost worker: ({role: group} whose ranks released what they held, to host their roles
+        again, {role: group} stopped): the lost roles' groups (None: any may be lost, all) stop at
+        once, and so does a group still busy after RELEASE_WAIT_S (it may wait in a collective on a
+        lost peer)."""
+        groups, self.groups = self.groups, {}
+        kept = release_groups(groups, RELEASE_WAIT_S, lost_roles)
+        return kept, {name: group for name, group in groups.items() if name not in kept}
 
     # ------------------------------------------------------------------------------------------
     # the loop

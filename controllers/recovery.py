@@ -1,9 +1,12 @@
 """Long runs: going on after a lost worker, stopping cleanly when told to, saving beside the steps.
 
 Recovery (trainer.max_failures > 0). A worker lost mid-step (its process died, or a call hung past
-trainer.remote_timeout_s: WorkerError.lost_worker) stops the step; the driver stops every worker
-group, starts them again (Ray places them where there is room: on other nodes when one is gone),
-restores the newest restore point and runs again from its step. Restore points, newest wins:
+trainer.remote_timeout_s: WorkerError.lost_worker) stops the step; the driver stops the lost
+roles' groups and starts them again (Ray places them where there is room: on other nodes when one
+is gone); the other groups drop what they built and host their roles again in the same processes
+(or stop and start too, when they cannot: still busy after RELEASE_WAIT_S, say in a collective
+with a lost peer). Then it restores the newest restore point and runs again from its step.
+Restore points, newest wins:
 - the run's start (step 0: the workers as they start, the driver's state; a resumed run's start is
   the checkpoint it resumed from),
 - every checkpoint this run saved,
@@ -108,7 +111,8 @@ class Recovery:
         named = f"step {step + 1} (of {total}): {err}"
         if not (self.enabled and err.lost_worker) or self.failures >= self.max_failures:
             used = f"; trainer.max_failures={self.max_failures} recoveries used" if self.failures else ""
-            raise WorkerError(named + used, call=err.call, cause=err.cause, lost_worker=err.lost_worker) from err
+            raise WorkerError(named + used, call=err.call, cause=err.cause, lost_worker=err.lost_worker,
+                              lost_roles=err.lost_roles) from err
         detected = time.time()
         trainer.wait_for_save()  # a checkpoint still being written may be the newest restore point
         while True:
@@ -118,13 +122,14 @@ class Recovery:
                   f"{self.point_step} ({source}) (failure {self.failures} of trainer.max_failures={self.max_failures})",
                   file=sys.stderr, flush=True)
             try:
-                restored = self._restart(trainer)
+                restored = self._restart(trainer, err.lost_roles)
                 break
             except WorkerError as again:
                 if not again.lost_worker or self.failures >= self.max_failures:
                     raise WorkerError(f"{named}; then restarting the workers failed: {again}", call=again.call,
-                                      cause=again.cause, lost_worker=again.lost_worker) from again
-                named = f"restarting after step {step + 1}: {again}"
+                                      cause=again.cause, lost_worker=again.lost_worker,
+                                      lost_roles=again.lost_roles) from again
+                named, err = f"restarting after step {step + 1}: {again}", again
         seconds = time.time() - detected
         call = err.call
         self._log({"step": step + 1, "role": call.role if call else None, "rank": call.rank if call else None,
@@ -134,13 +139,14 @@ class Recovery:
         print(f"rlflow: recovered in {seconds:.1f} s; running step {restored + 1} again", file=sys.stderr, flush=True)
         return restored
 
-    def _restart(self, trainer) -> int:
-        """Stop, start, restore; the seconds of each go in self.phases."""
+    def _restart(self, trainer, lost_roles) -> int:
+        """Stop the lost roles' groups, release the others (those that cannot stop too), start, restore;
+        the seconds of each and the roles whose processes were kept go in self.phases."""
         clock = time.monotonic()
-        trainer.stop_worker_groups()
-        self.phases = {"stop_s": time.monotonic() - clock}
+        kept, stopped = trainer.release_worker_groups(lost_roles)
+        self.phases = {"stop_s": time.monotonic() - clock, "kept": sorted(kept)}
         clock = time.monotonic()
-        trainer.start_workers()
+        trainer.start_workers(kept, stopped)
         self.phases["start_s"] = time.monotonic() - clock
         clock = time.monotonic()
         snapshot = checkpoint.read(self.point, self.cfg) if isinstance(self.point, str) else self.point

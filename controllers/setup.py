@@ -311,18 +311,33 @@ def core_share(cfg: RLFlowConfig, roles: dict[str, Role], model_path: str) -> Co
                      fixed=fixed, steady=cfg.trainer.deterministic)
 
 
-def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], placement: Placement,
-                        groups: dict[str, RayWorkerGroup], cores: CoreShare) -> None:
+def start_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], groups: dict[str, RayWorkerGroup],
+                        cores: CoreShare, placement: Placement | None = None,
+                        rehost: dict[str, RayWorkerGroup] | None = None,
+                        restart: dict[str, RayWorkerGroup] | None = None) -> None:
     """Every role's worker group, started concurrently (each waits for its processes to import torch &
-    co), added to `groups` as it starts, so the caller can stop the started ones when another fails;
-    the first error is raised once all have settled."""
-    per_worker = cfg.trainer.cpus_per_worker
+    co, or to build its worker), added to `groups` as it starts, so the caller can stop the started
+    ones when another fails; the first error is raised once all have settled. A role's group is its
+    group in `rehost` (processes that released an earlier run, or this run's before a lost worker,
+    hosting the role's worker again), new processes like its stopped group in `restart` (in that
+    group's placement group), or new processes in `placement`."""
+    rehost, restart = rehost or {}, restart or {}
+    groups.update(rehost)  # stopped with the others if one fails
     env = worker_env()
+
+    def start(name: str, role: Role) -> RayWorkerGroup:
+        threads = cores.start_threads(name)
+        if name in rehost:
+            rehost[name].reinit(cfg, threads, role.worker_class(), name, role.sp_size(cfg))
+            return rehost[name]
+        if name in restart:
+            return restart[name].restarted(cfg, threads)
+        return RayWorkerGroup(role.worker_class(), name, role.num_processes(cfg), cfg, placement.pool_of[name],
+                              cfg.trainer.cpus_per_worker, placement.gpus[name], env=env, num_threads=threads,
+                              sp_size=role.sp_size(cfg))
+
     with ThreadPoolExecutor(max_workers=len(roles)) as executor:
-        starting = {name: executor.submit(RayWorkerGroup, role.worker_class(), name, role.num_processes(cfg), cfg,
-                                          placement.pool_of[name], per_worker, placement.gpus[name], env=env,
-                                          num_threads=cores.start_threads(name), sp_size=role.sp_size(cfg))
-                    for name, role in roles.items()}
+        starting = {name: executor.submit(start, name, role) for name, role in roles.items()}
         errors = []
         for name, future in starting.items():
             try:
@@ -354,19 +369,6 @@ def parking_keys(cfg: RLFlowConfig, roles: dict[str, Role]) -> list[tuple[tuple,
     layout = (trainer.colocate, trainer.cpus_per_worker, env,
               tuple(role_key(name, role) for name, role in sorted(roles.items())))
     return [(("layout", *layout), tuple(sorted(roles)))]
-
-
-def reinit_worker_groups(cfg: RLFlowConfig, roles: dict[str, Role], parked: dict[str, RayWorkerGroup],
-                         groups: dict[str, RayWorkerGroup], cores: CoreShare) -> None:
-    """Finished runs' groups (IdleWorkers.claim) as the ranks of this run's roles, concurrently, each
-    added to `groups` as it is taken (so that shutdown stops them all if one fails)."""
-    groups.update(parked)
-    with ThreadPoolExecutor(max_workers=len(parked)) as executor:
-        futures = [executor.submit(group.reinit, cfg, cores.start_threads(name), roles[name].worker_class(), name,
-                                   roles[name].sp_size(cfg))
-                   for name, group in parked.items()]
-        for future in futures:
-            future.result()
 
 
 def init_models(roles: dict[str, Role], groups: dict[str, RayWorkerGroup], context: RunContext) -> None:

@@ -103,8 +103,8 @@ class SFTTrainer(PPOTrainer):
         batch["truncated"] = torch.tensor([len(r) > self.cfg.data.max_response_length for r in responses])
         return batch
 
-    def start_workers(self) -> None:
-        self.start_groups()  # the actor alone: nothing of a rollout to wire
+    def start_workers(self, kept: dict | None = None, stopped: dict | None = None) -> None:
+        self.start_groups(kept, stopped)  # the actor alone: nothing of a rollout to wire
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:

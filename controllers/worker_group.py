@@ -28,14 +28,21 @@ class WorkerError(RuntimeError):
     gone), "timeout" (it did not return in time), "raised" (it raised). `lost_worker`: a process
     died or hung, among the first failure and the failures reported with it (a rank that dies
     leaves its peers' collectives failing), which a restart of the groups can repair
-    (trainer.max_failures); an exception the worker raised would be raised again.
+    (trainer.max_failures); an exception the worker raised would be raised again. `lost_roles`:
+    the roles of those processes (None: not known, any may be lost).
     """
 
     def __init__(self, message: str, call: CallLabel | None = None, cause: str | None = None,
-                 lost_worker: bool | None = None):
+                 lost_worker: bool | None = None, lost_roles: frozenset[str] | None = None):
         super().__init__(message)
         self.call, self.cause = call, cause
         self.lost_worker = cause in ("died", "timeout") if lost_worker is None else lost_worker
+        if lost_roles is None:
+            if not self.lost_worker:
+                lost_roles = frozenset()
+            elif call is not None and cause in ("died", "timeout"):
+                lost_roles = frozenset([call.role])
+        self.lost_roles = lost_roles
 
 
 class CallLabel(NamedTuple):
@@ -145,9 +152,11 @@ def get_with_timeout(futures: list, what: list, timeout_s: float,
                 raise _group_failure(label_of[future], err, pending, label_of, deadline) from err
     if pending:
         late = ", ".join(str(label_of[f]) for f in pending)
+        lost = [_as_call(label_of[f]) for f in pending]
         raise WorkerError(
             f"{late} did not return within {timeout_key}={timeout_s:g} s "
-            f"(waited {time.monotonic() - start:.1f} s)", call=_as_call(label_of[pending[0]]), cause="timeout"
+            f"(waited {time.monotonic() - start:.1f} s)", call=lost[0], cause="timeout",
+            lost_roles=None if None in lost else frozenset(call.role for call in lost)
         )
     return [results[f] for f in futures]
 
@@ -168,8 +177,9 @@ def _group_failure(label: str, err: Exception, pending: list, label_of: dict, de
         # the rank that died is named first: its peers' collectives fail because of it
         first = next((e for e in (primary, *others) if e.cause == "died"), primary)
         rest = [str(e).splitlines()[0][:300] for e in (primary, *others) if e is not first]
+        lost = [e.lost_roles for e in (primary, *others) if e.lost_worker]
         return WorkerError(f"{first}\n(then: {'; '.join(rest)})", call=first.call, cause=first.cause,
-                           lost_worker=any(e.lost_worker for e in (primary, *others)))
+                           lost_worker=bool(lost), lost_roles=None if None in lost else frozenset().union(*lost))
     return primary
 
 
@@ -198,6 +208,7 @@ class RayWorkerGroup:
         self._as_role(worker_cls, role, sp_size)
         self._set_timeouts(cfg)
         self.pool = pool
+        self.num_cpus, self.num_gpus, self.env = num_cpus, num_gpus, env  # a lost group's restart takes them again
         self.killed = False
         if world_size > pool.num_bundles:
             raise WorkerError(f"{role}: {world_size} ranks do not fit a pool of {pool.num_bundles} bundles")
@@ -244,13 +255,16 @@ class RayWorkerGroup:
         self._get(self.call_all_async("init_distributed", self.master_addr, master_port), "init_distributed",
                   startup=True)
 
-    def release(self) -> bool:
-        """The run is over: every rank drops what it built. False (or an error): some rank cannot
-        host another run, and the caller stops the group."""
-        try:
-            return all(self._get([w.release.remote() for w in self.workers], "release"))
-        except WorkerError:
-            return False
+    def release_async(self) -> list:
+        """The run is over: every rank drops what it built, after the calls in flight
+        (release_groups awaits them)."""
+        return [w.release.remote() for w in self.workers]
+
+    def restarted(self, cfg, num_threads: int) -> "RayWorkerGroup":
+        """New processes for this group's role, in its placement group's bundles with its resources
+        (after a lost worker: colocated ranks land beside the kept groups' again)."""
+        return RayWorkerGroup(self.worker_cls, self.role, self.world_size, cfg, self.pool, self.num_cpus,
+                              self.num_gpus, env=self.env, num_threads=num_threads, sp_size=self.sp_size)
 
     def reinit(self, cfg, num_threads: int, worker_cls, role: str, sp_size: int = 1) -> None:
         """The same processes as the ranks of role `role` in a new run (after release), whatever
@@ -337,6 +351,27 @@ def all_finished(futures: list) -> bool:
     return len(done) == len(futures)
 
 
+def release_groups(groups: dict[str, "RayWorkerGroup"], wait_s: float, lost=frozenset()) -> dict[str, "RayWorkerGroup"]:
+    """{role: group} of the groups whose every rank released what it held within wait_s (after
+    the calls in flight); the others stop: the roles in `lost` (None: all) at once (a dead or hung
+    process), then a group with a rank that died, raised, said it cannot host another run (a vLLM
+    engine) or is still busy (it may wait in a collective on a lost peer)."""
+    lost = set(groups) if lost is None else lost
+    stop_workers([group for name, group in groups.items() if name in lost])
+    calls = {name: group.release_async() for name, group in groups.items() if name not in lost}
+    pending = [future for futures in calls.values() for future in futures]
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s) if pending else ([], [])
+    ready = set(ready)
+    released = {}
+    for name, futures in calls.items():
+        try:
+            released[name] = all(f in ready for f in futures) and all(ray.get(futures))
+        except Exception:  # noqa: BLE001 - a rank that died or raised: the group stops
+            released[name] = False
+    stop_workers([groups[name] for name, ok in released.items() if not ok])
+    return {name: groups[name] for name, ok in released.items() if ok}
+
+
 def gather_groups(calls: list[tuple[RayWorkerGroup, list, str]], startup: bool = False) -> list[list]:
     """Calls of several groups, (group, futures of its ranks 0.., method), awaited together: calls
     that meet in one collective across groups leave the others blocked when one fails, so the
@@ -367,7 +402,7 @@ class IdleWorkers:
     trainer.keep_workers_s; at most MAX_PARKED_PROCESSES wait in all (the least recently parked stop
     first), and a run whose placement group cannot be reserved stops them one entry at a time until
     it can (ResourcePool). Only a run that ended without an error parks its workers, and only the
-    groups whose every rank released what it held (RayWorkerGroup.release)."""
+    groups whose every rank released what it held (release_groups)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -375,18 +410,19 @@ class IdleWorkers:
 
     def park(self, parking: list, groups: dict, keep_s: float) -> bool:
         """`parking`: [(key, the roles parked under it)] covering `groups` ({role: group}). An entry
-        parks when all its groups released what their run held; the groups of the others stop here
-        (a vLLM engine's process cannot host another run). False: nothing parked, nothing stopped."""
+        parks when all its groups released what their run held (release_groups); the others stop
+        here (a vLLM engine's process cannot host another run). False: nothing parked (nothing
+        stopped when keep_s is 0)."""
         if not parking or keep_s <= 0:
             return False
-        released = {name: group.release() for name, group in groups.items()}
+        released = release_groups(groups, RELEASE_WAIT_S)
         job_id = _job_id()
         entries = [_Parked(key, job_id, tuple(groups[name] for name in names)) for key, names in parking
-                   if all(released[name] for name in names)]
+                   if all(name in released for name in names)]
+        parked = [group for entry in entries for group in entry.groups]
+        stop_workers([group for group in released.values() if group not in parked])
         if not entries:
             return False
-        parked = [group for entry in entries for group in entry.groups]
-        stop_workers([group for group in groups.values() if group not in parked])
         for entry in entries:
             entry.timer = threading.Timer(keep_s, self._expire, args=(entry,))
             entry.timer.daemon = True
@@ -474,5 +510,8 @@ def _job_id() -> str | None:
     return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
 
 
+# how long a group that released may take (its calls in flight first, from a step that failed
+# elsewhere) before it stops instead: one that waits on a lost peer's collective never finishes
+RELEASE_WAIT_S = 30.0
 MAX_PARKED_PROCESSES = 24  # each holds its imports (~0.3 GB resident on CPU)
 IDLE_WORKERS = IdleWorkers()

@@ -3,8 +3,8 @@
     faulty_workers("<role>:<rank>:<method>:<nth>:<action>[,<more>]")
 
 returns {role: subclass of that role's worker} whose <rank> ("*": every rank) does <action> on
-the <nth> call ("*": every call; 1-based, counted per worker process) of <method>, any public
-method of the role's worker class (rollout: generate; actor: compute_log_prob, update,
+the <nth> call ("*": every call; 1-based, counted per worker, i.e. per run and rank) of <method>,
+any public method of the role's worker class (rollout: generate; actor: compute_log_prob, update,
 state_for_checkpoint; critic: compute_values, update, ...; reference: compute_ref_log_prob):
 
     exit        os._exit(17): the process dies at once, as if killed (no exception, no cleanup)

@@ -100,8 +100,8 @@ def _run_losing_a_node(model_dir: str, out_dir: str, cluster, **overrides):
                 cluster.remove_node(node)
             return super().train_step(step)
 
-        def start_workers(self):
-            super().start_workers()
+        def start_workers(self, *restarting):
+            super().start_workers(*restarting)
             self.placements = getattr(self, "placements", []) + [{n: list(g.node_ids) for n, g in self.groups.items()}]
 
     from exactness_helpers import BASE

@@ -1,5 +1,6 @@
 """Recovery without a person (trainer.max_failures, controllers/recovery.py): a worker of each role
-dies or hangs, the run restarts its workers by itself, and ends exactly as the run without faults.
+dies or hangs, the run restarts the lost role's workers by itself (the other roles' processes host
+their roles again), and ends exactly as the run without faults.
 
 The faults are armed by the test's driver at the start of a chosen step (tests/fault_workers.py
 armable_workers): they fire once, at the worker's next call of the method, in real worker
@@ -58,8 +59,8 @@ def _trainer_class():
             self.schedule = list(schedule)
             self.record_dir = record_dir
 
-        def start_workers(self):
-            super().start_workers()
+        def start_workers(self, *restarting):
+            super().start_workers(*restarting)
             for group in self.groups.values():
                 group.timeout_s = STEP_TIMEOUT_S
 
@@ -109,10 +110,12 @@ def test_recover_from_death_and_hang_of_every_role_exactly(ray_session, tiny_mod
         lines.append(f"step {at} {role} {method} {'dies' if action == 'exit' else 'hangs'}: noticed after "
                      f"{rec['detected'] - fault_time:.1f} s, restarted and restored step {rec['restored_step']} "
                      f"({rec['restored_from']}) in {rec['seconds']:.1f} s (stop {rec['stop_s']:.1f}, start "
-                     f"{rec['start_s']:.1f}, restore {rec['restore_s']:.1f}): {continued - fault_time:.1f} s from "
-                     "fault to going on")
+                     f"{rec['start_s']:.1f}, restore {rec['restore_s']:.1f}; kept {', '.join(rec['kept'])}): "
+                     f"{continued - fault_time:.1f} s from fault to going on")
         assert (rec["step"], rec["role"], rec["rank"], rec["call"]) == (at, role, 0, method), rec
         assert rec["cause"] == ("died" if action == "exit" else "timeout"), rec
+        # only the lost role's processes start again; the others host their roles again
+        assert rec["kept"] == sorted({"actor", "critic", "rollout"} - {role}), rec
     print(f"\nstraight run {straight_s:.1f} s, run with {len(SCHEDULE)} faults {faulty_s:.1f} s\n" + "\n".join(lines))
     assert [rec["restored_step"] for rec in recoveries] == RESTORED
     kinds = ["checkpoint" if rec["restored_from"].startswith(trainer.run_dir) else rec["restored_from"]
