@@ -33,8 +33,8 @@ from controllers.setup import (check_env_and_reward_model, check_reward_fn, choo
                                make_data, make_kl_controller, make_replay, make_reward_manager, make_rollouts,
                                make_scorer, parking_keys, place_roles, resolve_model_path,
                                rows_in_memory, start_env_pool, start_ray, start_worker_groups)
-from controllers.worker_group import (IDLE_WORKERS, RELEASE_WAIT_S, WorkerError, all_finished, gather_groups,
-                                     release_groups, stop_workers)
+from controllers.worker_group import (FAILED_RUN_RELEASE_WAIT_S, IDLE_WORKERS, RELEASE_WAIT_S, WorkerError,
+                                     all_finished, gather_groups, release_groups, stop_workers)
 from rlflow.algos import estimator_inputs, get_adv_estimator_fn, kl_penalty, masked_mean
 from rlflow.algos.pass_at_k import group_samples, pass_at_k_metrics, sample_passes
 from rlflow.config import RLFlowConfig, config_to_dict, load_config, micro_batch_token_budget, to_dataclass
@@ -192,7 +192,7 @@ class PPOTrainer:
         self.recovery = Recovery(cfg, run_dir)
         self.saver = AsyncSaver() if cfg.trainer.async_save else None
         self.stopped_by = None  # the signal's name, when a SIGTERM / SIGINT stopped the run
-        completed = False
+        completed, failure = False, None
         try:
             with Preemption() as preemption:
                 self.setup()
@@ -223,8 +223,14 @@ class PPOTrainer:
                 self.tracker.close()
                 completed = not preemption.requested  # a stopped run's workers are not kept for another
                 return self.history
+        except Exception as err:
+            failure = err
+            raise
         finally:
-            self.shutdown(keep_workers=completed)
+            # a failed run keeps the groups that release what they held (a notebook's next fit after
+            # the fix takes them); its lost roles' processes stop
+            self.shutdown(keep_workers=completed or failure is not None,
+                          lost=getattr(failure, "lost_roles", frozenset()), failed=failure is not None)
 
     def run_step(self, step: int) -> None:
         """One step, its validation and logging, and the restore points due after it."""
@@ -661,9 +667,11 @@ class PPOTrainer:
     def save_checkpoint(self, step: int) -> None:
         checkpoint.save(self, step)
 
-    def shutdown(self, keep_workers: bool = False) -> None:
-        """Stops the run's processes; keep_workers (a run that completed): its worker groups wait
-        trainer.keep_workers_s for the next run in this driver with the same roles (IdleWorkers)."""
+    def shutdown(self, keep_workers: bool = False, lost=frozenset(), failed: bool = False) -> None:
+        """Stops the run's processes; keep_workers (a run that completed or failed): its worker groups
+        wait trainer.keep_workers_s for the next run in this driver (IdleWorkers), but those of the
+        roles in `lost` (None: all) and those still busy after RELEASE_WAIT_S (a failed run: briefly,
+        since its error waits for this) stop."""
         if getattr(self, "saver", None) is not None:
             with contextlib.suppress(Exception):
                 self.saver.finished(wait=True)  # a checkpoint being written is finished, whatever else failed
@@ -678,8 +686,9 @@ class PPOTrainer:
         if hasattr(getattr(self, "agent", None), "close"):
             with contextlib.suppress(Exception):
                 self.agent.close()  # rollout.agent.fn's OpenAI endpoint
+        wait_s = FAILED_RUN_RELEASE_WAIT_S if failed else RELEASE_WAIT_S
         if keep_workers and self.groups and IDLE_WORKERS.park(getattr(self, "parking", None), self.groups,
-                                                              self.cfg.trainer.keep_workers_s):
+                                                              self.cfg.trainer.keep_workers_s, wait_s, lost):
             self.groups, self.pools = {}, []
             return
         stop_workers(self.groups.values(), self.pools)

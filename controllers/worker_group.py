@@ -401,21 +401,21 @@ class IdleWorkers:
     whose roles must stay together on their bundles (colocated GPUs, nodes). Each parked entry waits
     trainer.keep_workers_s; at most MAX_PARKED_PROCESSES wait in all (the least recently parked stop
     first), and a run whose placement group cannot be reserved stops them one entry at a time until
-    it can (ResourcePool). Only a run that ended without an error parks its workers, and only the
-    groups whose every rank released what it held (release_groups)."""
+    it can (ResourcePool). A run that completed or failed parks the groups whose every rank released
+    what it held (release_groups); a lost worker's group, and a stopped (preempted) run's, stop."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._parked: list[_Parked] = []  # least recently parked first
 
-    def park(self, parking: list, groups: dict, keep_s: float) -> bool:
+    def park(self, parking: list, groups: dict, keep_s: float, wait_s: float, lost=frozenset()) -> bool:
         """`parking`: [(key, the roles parked under it)] covering `groups` ({role: group}). An entry
-        parks when all its groups released what their run held (release_groups); the others stop
-        here (a vLLM engine's process cannot host another run). False: nothing parked (nothing
-        stopped when keep_s is 0)."""
+        parks when all its groups released what their run held within wait_s (release_groups; the
+        roles in `lost` stop at once); the others stop here. False: nothing parked (nothing stopped
+        when keep_s is 0)."""
         if not parking or keep_s <= 0:
             return False
-        released = release_groups(groups, RELEASE_WAIT_S)
+        released = release_groups(groups, wait_s, lost)
         job_id = _job_id()
         entries = [_Parked(key, job_id, tuple(groups[name] for name in names)) for key, names in parking
                    if all(name in released for name in names)]
@@ -513,5 +513,6 @@ def _job_id() -> str | None:
 # how long a group that released may take (its calls in flight first, from a step that failed
 # elsewhere) before it stops instead: one that waits on a lost peer's collective never finishes
 RELEASE_WAIT_S = 30.0
+FAILED_RUN_RELEASE_WAIT_S = 3.0  # the same at the end of a failed run, whose error waits for it
 MAX_PARKED_PROCESSES = 24  # each holds its imports (~0.3 GB resident on CPU)
 IDLE_WORKERS = IdleWorkers()

@@ -1,7 +1,8 @@
 """A completed run parks its worker processes (controllers/worker_group.py, IdleWorkers): a later
 run in the driver takes them (on one node without GPUs, a group of any role for a role of its
 size: workers/process.py) and trains exactly as on new processes; a run that cannot reserve its
-placement while they wait stops them; a failed run or trainer.keep_workers_s=0 parks nothing."""
+placement while they wait stops them; a failed run parks all but its lost workers' groups;
+trainer.keep_workers_s=0 parks nothing."""
 
 from __future__ import annotations
 
@@ -129,21 +130,30 @@ def test_groups_park_by_size_on_one_node_without_gpus_and_as_a_layout_elsewhere(
     assert [names for _, names in parking_keys(cfg, roles)] == [tuple(sorted(roles))]
 
 
-def test_keep_workers_s_0_and_a_failed_run_stop_the_processes(ray_session, tiny_model_dir, tmp_path):
+def test_keep_workers_s_0_stops_the_processes_and_a_failed_run_parks_all_but_the_lost_role(ray_session,
+                                                                                            tiny_model_dir, tmp_path):
     IDLE_WORKERS.stop()
     trainer, _ = _fit(tiny_model_dir, tmp_path / "a", **{"trainer.keep_workers_s": 0})
     assert _all_exit([pid for pids in trainer.pids.values() for pid in pids])
 
-    class FailingTrainer(PidTrainer):
-        def train_step(self, step):
-            super().train_step(step)
-            raise WorkerError("injected after the first step")
-
+    # the rollout's process dies generating step 2's batch: the run fails naming it; its process is
+    # gone, the actor's waits, and the next run takes it and trains exactly as on new processes
+    from fault_workers import faulty_workers
     from rlflow import load_config
 
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
-        "algorithm.adv_estimator": "grpo", "reward.num_workers": 0, "trainer.default_local_dir": str(tmp_path / "b")}))
-    failing = FailingTrainer(cfg)
-    with pytest.raises(WorkerError, match="injected"):
+        "algorithm.adv_estimator": "grpo", "reward.num_workers": 0, "trainer.total_steps": STEPS,
+        "trainer.deterministic": True, "trainer.default_local_dir": str(tmp_path / "b")}))
+    failing = PidTrainer(cfg, worker_classes=faulty_workers("rollout:0:generate:2:exit"))
+    with pytest.raises(WorkerError, match="rollout rank 0: generate: the worker process died") as info:
         failing.fit()
-    assert _all_exit([pid for pids in failing.pids.values() for pid in pids]), "a failed run parks nothing"
+    assert info.value.lost_roles == {"rollout"}
+    assert _all_exit(failing.pids["rollout"])
+    assert all(_alive(pid) for pid in failing.pids["actor"]), "the actor's processes wait for the next run"
+    after = _fit(tiny_model_dir, tmp_path / "c")
+    assert set(failing.pids["actor"]) <= _pids(after) and not set(failing.pids["rollout"]) & _pids(after)
+    IDLE_WORKERS.stop()
+    fresh = _fit(tiny_model_dir, tmp_path / "d")
+    assert not _pids(fresh) & _pids(after)
+    _same_run(after, fresh)
+    IDLE_WORKERS.stop()
