@@ -452,8 +452,9 @@ class TrainerConfig:
     save_freq: int = -1
     resume_mode: str = "auto"  # auto | disable | a checkpoint path
     max_to_keep: int = 2
-    # a worker lost (its process died, or a call hung past remote_timeout_s): restart the worker
-    # groups, restore the newest restore point and go on, up to this many times (0: stop)
+    # a worker lost (its process died, or a call hung past remote_timeout_s): restart its group (the
+    # other groups host their roles again in their processes), restore the newest restore point and
+    # go on, up to this many times (0: stop)
     max_failures: int = 0
     # with max_failures: every this many steps, a copy of the trained state in the driver's memory
     # (a restore point newer than the last checkpoint; 0: checkpoints only)
@@ -469,8 +470,9 @@ class TrainerConfig:
     max_staleness: int = 0
     remote_timeout_s: float = 600.0  # every remote call and collective of a step
     startup_timeout_s: float = 900.0  # spawning workers and loading models (at least remote_timeout_s)
-    # a completed run's worker processes wait this long for the next run in the same driver that
-    # has their roles (a notebook's next fit), which then skips their start-up; 0: they stop with the run
+    # a completed (or failed: all but its lost workers) run's worker processes wait this long for the
+    # next run in the same driver (a notebook's next fit), which then skips their start-up; 0: they
+    # stop with the run
     keep_workers_s: float = 60.0
     nan_policy: str = "abort"  # abort | skip (skip the mini-batch and count it)
     colocate: bool = True  # all roles share one placement group of bundles

@@ -182,18 +182,24 @@ def live_workers() -> set[str]:
     return alive | groups
 
 
-def assert_no_new_workers(before: set[str], wait_s: float = 15.0) -> None:
-    """Whatever a fit started is gone (ray.kill and placement-group removal are asynchronous),
-    once the workers a completed run parked for the next run (IdleWorkers) are stopped: only those
-    may outlive a fit."""
-    import time
-
+def parked_ids() -> set[str]:
+    """The ids of the actors and placement groups of the worker groups that wait for the next run (IdleWorkers)."""
     from controllers.worker_group import IDLE_WORKERS
 
-    IDLE_WORKERS.stop()
+    groups = [group for entry in IDLE_WORKERS._parked for group in entry.groups]
+    return {w._actor_id.hex() for group in groups for w in group.workers} | {group.pool.pg.id.hex() for group in groups}
+
+
+def assert_no_new_workers(before: set[str], wait_s: float = 15.0) -> None:
+    """Whatever a fit started is gone (ray.kill and placement-group removal are asynchronous) or
+    waits for the next run (IdleWorkers: a run parks the groups that released what they held, and
+    the next test's fits take them): a dead, hung or failed worker must not outlive its fit."""
+    import time
+
     deadline = time.monotonic() + wait_s
     while True:
-        left = sorted(live_workers() - before)
+        parked = parked_ids()
+        left = sorted(w for w in live_workers() - before if w.split(" (")[0].split()[-1] not in parked)
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
