@@ -115,6 +115,7 @@ class Recovery:
                               lost_roles=err.lost_roles) from err
         detected = time.time()
         trainer.wait_for_save()  # a checkpoint still being written may be the newest restore point
+        lost_roles = err.lost_roles
         while True:
             self.failures += 1
             source = self.describe_point()
@@ -122,14 +123,14 @@ class Recovery:
                   f"{self.point_step} ({source}) (failure {self.failures} of trainer.max_failures={self.max_failures})",
                   file=sys.stderr, flush=True)
             try:
-                restored = self._restart(trainer, err.lost_roles)
+                restored = self._restart(trainer, lost_roles)
                 break
             except WorkerError as again:
                 if not again.lost_worker or self.failures >= self.max_failures:
                     raise WorkerError(f"{named}; then restarting the workers failed: {again}", call=again.call,
                                       cause=again.cause, lost_worker=again.lost_worker,
                                       lost_roles=again.lost_roles) from again
-                named, err = f"restarting after step {step + 1}: {again}", again
+                named, lost_roles = f"restarting after step {step + 1}: {again}", again.lost_roles
         seconds = time.time() - detected
         call = err.call
         self._log({"step": step + 1, "role": call.role if call else None, "rank": call.rank if call else None,
