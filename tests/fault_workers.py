@@ -19,6 +19,8 @@ state_for_checkpoint; critic: compute_values, update, ...; reference: compute_re
 
 armable_workers({"<role>": [<method>, ...]}) instead lets the test's driver arm a fault on a rank
 at a step of its choosing (arm_fault), which fires once, at that rank's next call of the method.
+With arm_dir, arm_by_file(arm_dir, ...) arms one for whichever worker object makes that call: one a
+restart builds later in the same or a new process included (arm_fault's lives in its worker object).
 
 Nothing of this ships: no config key or environment variable reaches it. The Ray workers cannot
 import tests/, so this module is pickled by value.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import sys
@@ -80,6 +83,7 @@ class FaultInjection:
     """Mixin: counts this process's calls of each faulted method and does the matching faults."""
 
     FAULTS: tuple[Fault, ...] = ()
+    ARM_DIR: str | None = None  # armable_workers(arm_dir=): where arm_by_file's faults wait
 
     def arm_fault(self, method: str, action: str, record: str | None = None) -> None:
         """The next call of `method` does `action` (exit / sleep=S / raise), once; `record`: a file
@@ -92,6 +96,8 @@ class FaultInjection:
         calls = self.__dict__.setdefault("_fault_calls", Counter())
         calls[method] += 1
         armed = self.__dict__.get("_armed", {}).pop(method, None)
+        if armed is None and self.ARM_DIR is not None:
+            armed = _take_armed_file(self.ARM_DIR, self.role, self.rank, method)
         if armed is not None:
             action, record = armed
             if record:
@@ -115,6 +121,30 @@ class FaultInjection:
         if fault.action == "raise":
             raise InjectedFault(f"injected fault: {self.role} rank {self.rank}, call {call} of {fault.method}")
         return fault.action  # nan / nan=I / nan_logits / nan_values: the wrapper poisons
+
+
+def _armed_file(arm_dir: str, role: str, rank: int, method: str) -> str:
+    return os.path.join(arm_dir, f"{role}-{rank}-{method}.json")
+
+
+def arm_by_file(arm_dir: str, role: str, rank: int, method: str, action: str, record: str | None = None) -> None:
+    """Like arm_fault, for the next call of `method` on `role` rank `rank` by any worker object of an
+    armable_workers(..., arm_dir) class (the call takes the file: once)."""
+    if not ACTION.match(action) or action.startswith("nan"):
+        raise ValueError(f"arm_by_file: {action!r} is not exit, sleep=S or raise")
+    with open(_armed_file(arm_dir, role, rank, method), "w") as f:
+        json.dump([action, record], f)
+
+
+def _take_armed_file(arm_dir: str, role: str, rank: int, method: str) -> tuple[str, str | None] | None:
+    path = _armed_file(arm_dir, role, rank, method)
+    try:
+        with open(path) as f:
+            action, record = json.load(f)
+    except FileNotFoundError:
+        return None
+    os.remove(path)
+    return action, record
 
 
 def _faulty_method(name: str, base_method):
@@ -166,16 +196,17 @@ def poison(shards: list, action: str | None) -> list:
     return out
 
 
-def armable_workers(methods: dict[str, list[str]]) -> dict[str, type]:
+def armable_workers(methods: dict[str, list[str]], arm_dir: str | None = None) -> dict[str, type]:
     """{role: a subclass of the role's worker} whose listed methods take a fault the driver arms
-    (FaultInjection.arm_fault) at a moment it chooses: at a given step, once."""
+    (FaultInjection.arm_fault; with arm_dir, arm_by_file too) at a moment it chooses: at a given
+    step, once."""
     from controllers.roles import default_worker_classes
 
     defaults = default_worker_classes()
     classes = {}
     for role, names in methods.items():
         base = defaults[role]
-        body = {"FAULTS": (), "__module__": __name__}
+        body = {"FAULTS": (), "ARM_DIR": arm_dir, "__module__": __name__}
         for name in names:
             body[name] = _faulty_method(name, getattr(base, name))
         classes[role] = type(f"Armable{base.__name__}", (FaultInjection, base), body)

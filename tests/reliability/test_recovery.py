@@ -27,9 +27,9 @@ STEP_TIMEOUT_S = 3  # the steps' remote-call timeout: how long a hang takes to b
 RECOVERING = {
     "algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": False, "actor.dp_size": 1,
     "trainer.max_staleness": 1, "trainer.total_steps": 6, "trainer.save_freq": 2, "trainer.snapshot_freq": 3,
-    "trainer.max_failures": 6,
+    "trainer.max_failures": 7,
 }
-ARMABLE = {"actor": ["update"], "critic": ["update"], "rollout": ["generate"]}
+ARMABLE = {"actor": ["update", "init_model"], "critic": ["update"], "rollout": ["generate"]}
 # (the step at whose start it is armed, role, method, action); a rollout fault hits the generation
 # of the NEXT step's batch, which runs while this step trains
 SCHEDULE = [
@@ -40,6 +40,9 @@ SCHEDULE = [
     (5, "rollout", "generate", HANG),
     (6, "critic", "update", "exit"),
 ]
+# armed with step 2's fault: the actor's process, kept by that fault's restart, dies hosting its role
+# again (its init_model), so the restart itself fails and the next one starts the actor anew
+RESTART_FAULT = (2, "actor", "init_model", "exit")
 # the restore point each fault goes back to: the start (nothing saved yet), checkpoint 2, the
 # snapshot of step 3, checkpoint 4 (step 6's fault comes before its own checkpoint and snapshot)
 RESTORED = [0, 0, 2, 3, 4, 4]
@@ -52,11 +55,12 @@ def _trainer_class():
         """Arms each scheduled fault once, at the start of its step; the groups' remote-call timeout
         is STEP_TIMEOUT_S after every start of the workers (their start runs under the config's)."""
 
-        def __init__(self, config, schedule, record_dir, **kwargs):
+        def __init__(self, config, schedule, record_dir, restart_faults=(), **kwargs):
             from fault_workers import armable_workers
 
-            super().__init__(config, worker_classes=armable_workers(ARMABLE), **kwargs)
+            super().__init__(config, worker_classes=armable_workers(ARMABLE, arm_dir=record_dir), **kwargs)
             self.schedule = list(schedule)
+            self.restart_faults = list(restart_faults)
             self.record_dir = record_dir
 
         def start_workers(self, *restarting):
@@ -66,18 +70,23 @@ def _trainer_class():
 
         def train_step(self, step):
             import ray
+            from fault_workers import arm_by_file
 
             while self.schedule and self.schedule[0][0] == step + 1:
                 at, role, method, action = self.schedule.pop(0)
                 record = os.path.join(self.record_dir, f"fault-{at}")
                 ray.get(self.groups[role].call_rank_async(0, "arm_fault", method, action, record))
+            while self.restart_faults and self.restart_faults[0][0] == step + 1:
+                at, role, method, action = self.restart_faults.pop(0)
+                arm_by_file(self.record_dir, role, 0, method, action, os.path.join(self.record_dir, f"restart-fault-{at}"))
             return super().train_step(step)
 
     return ArmingTrainer
 
 
-def _fit(model_dir, base, schedule, record_dir, **overrides):
-    trainer = _trainer_class()(runs.make_config(model_dir, base, **{**RECOVERING, **overrides}), schedule, record_dir)
+def _fit(model_dir, base, schedule, record_dir, restart_faults=(), **overrides):
+    trainer = _trainer_class()(runs.make_config(model_dir, base, **{**RECOVERING, **overrides}), schedule, record_dir,
+                               restart_faults)
     return trainer.fit(), trainer
 
 
@@ -85,11 +94,12 @@ def _compared(history):
     return [{k: v for k, v in row.items() if k != "trainer/recoveries"} for row in runs.metrics(history)]
 
 
-def test_recover_from_death_and_hang_of_every_role_exactly(ray_session, tiny_model_dir, tmp_path):
+def test_recover_from_death_and_hang_of_every_role_exactly(ray_session, tiny_model_dir, tmp_path, capsys):
     """Six faults in one run (each trained role and the rollout, each dying and hanging, the rollout
-    while generating the batch in flight), restored from the start, checkpoints and a snapshot: the
-    run goes on by itself and ends with the metrics, weights and optimizer state of the run without
-    (whose checkpoints are written synchronously, the faulty run's asynchronously)."""
+    while generating the batch in flight), restored from the start, checkpoints and a snapshot, and
+    a seventh during a restart (a kept process dies hosting its role again): the run goes on by
+    itself and ends with the metrics, weights and optimizer state of the run without (whose
+    checkpoints are written synchronously, the faulty run's asynchronously)."""
     records = tmp_path / "faults"
     records.mkdir()
     clock = time.monotonic()
@@ -97,9 +107,10 @@ def test_recover_from_death_and_hang_of_every_role_exactly(ray_session, tiny_mod
     straight_s = time.monotonic() - clock
     clock = time.monotonic()
     # its checkpoints written beside the steps (trainer.async_save): restored from, and compared
-    history, trainer = _fit(tiny_model_dir, str(tmp_path / "faulty"), SCHEDULE, str(records),
+    history, trainer = _fit(tiny_model_dir, str(tmp_path / "faulty"), SCHEDULE, str(records), [RESTART_FAULT],
                             **{"trainer.async_save": True})
     faulty_s = time.monotonic() - clock
+    err = capsys.readouterr().err
 
     with open(os.path.join(trainer.run_dir, RECOVERIES_FILE)) as f:
         recoveries = [json.loads(line) for line in f]
@@ -114,15 +125,21 @@ def test_recover_from_death_and_hang_of_every_role_exactly(ray_session, tiny_mod
                      f"{continued - fault_time:.1f} s from fault to going on")
         assert (rec["step"], rec["role"], rec["rank"], rec["call"]) == (at, role, 0, method), rec
         assert rec["cause"] == ("died" if action == "exit" else "timeout"), rec
-        # only the lost role's processes start again; the others host their roles again
-        assert rec["kept"] == sorted({"actor", "critic", "rollout"} - {role}), rec
-    print(f"\nstraight run {straight_s:.1f} s, run with {len(SCHEDULE)} faults {faulty_s:.1f} s\n" + "\n".join(lines))
+        # only the lost role's processes start again; the others host their roles again. After step
+        # 2's fault the actor died doing so: the second restart started it anew and kept the critic
+        # the first had started (the record names the step's own fault and the last restart's phases)
+        lost = {RESTART_FAULT[1]} if at == RESTART_FAULT[0] else {role}
+        assert rec["kept"] == sorted({"actor", "critic", "rollout"} - lost), rec
+    assert (records / f"restart-fault-{RESTART_FAULT[0]}").exists()
+    assert (f"rlflow: restarting after step {RESTART_FAULT[0]}: {RESTART_FAULT[1]} rank 0: {RESTART_FAULT[2]}: "
+            "the worker process died") in err, err
+    print(f"\nstraight run {straight_s:.1f} s, run with {len(SCHEDULE) + 1} faults {faulty_s:.1f} s\n" + "\n".join(lines))
     assert [rec["restored_step"] for rec in recoveries] == RESTORED
     kinds = ["checkpoint" if rec["restored_from"].startswith(trainer.run_dir) else rec["restored_from"]
              for rec in recoveries]
     assert kinds == ["the run's start", "the run's start", "checkpoint", "the snapshot in memory", "checkpoint",
                      "checkpoint"]
-    assert history[-1]["trainer/recoveries"] == len(SCHEDULE) and reference[-1]["trainer/recoveries"] == 0
+    assert history[-1]["trainer/recoveries"] == len(SCHEDULE) + 1 and reference[-1]["trainer/recoveries"] == 0
 
     assert [row["step"] for row in history] == list(range(1, 7))
     runs.assert_same(_compared(history), _compared(reference))
