@@ -17,10 +17,10 @@ state_for_checkpoint; critic: compute_values, update, ...; reference: compute_re
                 update (the NaN stays in the autograd graph)
     nan_values  (critic) the same for the value model: NaN values, NaN value predictions
 
-armable_workers({"<role>": [<method>, ...]}) instead lets the test's driver arm a fault on a rank
-at a step of its choosing (arm_fault), which fires once, at that rank's next call of the method.
-With arm_dir, arm_by_file(arm_dir, ...) arms one for whichever worker object makes that call: one a
-restart builds later in the same or a new process included (arm_fault's lives in its worker object).
+armable_workers({"<role>": [<method>, ...]}, arm_dir) instead lets the test's driver arm a fault on
+a rank at a moment of its choosing (arm_fault: a file in arm_dir, so the driver and the workers
+share one machine's disk), which fires once, at that rank's next call of the method, whichever
+worker object makes it: one a recovery's restart builds, in the same or a new process, included.
 
 Nothing of this ships: no config key or environment variable reaches it. The Ray workers cannot
 import tests/, so this module is pickled by value.
@@ -83,21 +83,12 @@ class FaultInjection:
     """Mixin: counts this process's calls of each faulted method and does the matching faults."""
 
     FAULTS: tuple[Fault, ...] = ()
-    ARM_DIR: str | None = None  # armable_workers(arm_dir=): where arm_by_file's faults wait
-
-    def arm_fault(self, method: str, action: str, record: str | None = None) -> None:
-        """The next call of `method` does `action` (exit / sleep=S / raise), once; `record`: a file
-        the worker writes time.time() to just before (when the fault happened, for timings)."""
-        if not ACTION.match(action) or action.startswith("nan"):
-            raise ValueError(f"arm_fault: {action!r} is not exit, sleep=S or raise")
-        self.__dict__.setdefault("_armed", {})[method] = (action, record)
+    ARM_DIR: str | None = None  # armable_workers: where arm_fault's faults wait
 
     def _fault(self, method: str) -> str | None:
         calls = self.__dict__.setdefault("_fault_calls", Counter())
         calls[method] += 1
-        armed = self.__dict__.get("_armed", {}).pop(method, None)
-        if armed is None and self.ARM_DIR is not None:
-            armed = _take_armed_file(self.ARM_DIR, self.role, self.rank, method)
+        armed = None if self.ARM_DIR is None else _take_armed(self.ARM_DIR, self.role, self.rank, method)
         if armed is not None:
             action, record = armed
             if record:
@@ -127,16 +118,18 @@ def _armed_file(arm_dir: str, role: str, rank: int, method: str) -> str:
     return os.path.join(arm_dir, f"{role}-{rank}-{method}.json")
 
 
-def arm_by_file(arm_dir: str, role: str, rank: int, method: str, action: str, record: str | None = None) -> None:
-    """Like arm_fault, for the next call of `method` on `role` rank `rank` by any worker object of an
-    armable_workers(..., arm_dir) class (the call takes the file: once)."""
+def arm_fault(arm_dir: str, role: str, rank: int, method: str, action: str, record: str | None = None) -> None:
+    """The next call of `method` on `role` rank `rank`, by any worker object of an
+    armable_workers(..., arm_dir) class, does `action` (exit / sleep=S / raise), once (the call
+    takes the file); `record`: a file the worker writes time.time() to just before (when the fault
+    happened, for timings)."""
     if not ACTION.match(action) or action.startswith("nan"):
-        raise ValueError(f"arm_by_file: {action!r} is not exit, sleep=S or raise")
+        raise ValueError(f"arm_fault: {action!r} is not exit, sleep=S or raise")
     with open(_armed_file(arm_dir, role, rank, method), "w") as f:
         json.dump([action, record], f)
 
 
-def _take_armed_file(arm_dir: str, role: str, rank: int, method: str) -> tuple[str, str | None] | None:
+def _take_armed(arm_dir: str, role: str, rank: int, method: str) -> tuple[str, str | None] | None:
     path = _armed_file(arm_dir, role, rank, method)
     try:
         with open(path) as f:
@@ -196,10 +189,9 @@ def poison(shards: list, action: str | None) -> list:
     return out
 
 
-def armable_workers(methods: dict[str, list[str]], arm_dir: str | None = None) -> dict[str, type]:
+def armable_workers(methods: dict[str, list[str]], arm_dir: str) -> dict[str, type]:
     """{role: a subclass of the role's worker} whose listed methods take a fault the driver arms
-    (FaultInjection.arm_fault; with arm_dir, arm_by_file too) at a moment it chooses: at a given
-    step, once."""
+    (arm_fault, in arm_dir) at a moment it chooses: at a given step, once."""
     from controllers.roles import default_worker_classes
 
     defaults = default_worker_classes()

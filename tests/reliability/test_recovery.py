@@ -69,16 +69,12 @@ def _trainer_class():
                 group.timeout_s = STEP_TIMEOUT_S
 
         def train_step(self, step):
-            import ray
-            from fault_workers import arm_by_file
+            from fault_workers import arm_fault
 
-            while self.schedule and self.schedule[0][0] == step + 1:
-                at, role, method, action = self.schedule.pop(0)
-                record = os.path.join(self.record_dir, f"fault-{at}")
-                ray.get(self.groups[role].call_rank_async(0, "arm_fault", method, action, record))
-            while self.restart_faults and self.restart_faults[0][0] == step + 1:
-                at, role, method, action = self.restart_faults.pop(0)
-                arm_by_file(self.record_dir, role, 0, method, action, os.path.join(self.record_dir, f"restart-fault-{at}"))
+            for faults, name in ((self.schedule, "fault"), (self.restart_faults, "restart-fault")):
+                while faults and faults[0][0] == step + 1:
+                    at, role, method, action = faults.pop(0)
+                    arm_fault(self.record_dir, role, 0, method, action, os.path.join(self.record_dir, f"{name}-{at}"))
             return super().train_step(step)
 
     return ArmingTrainer
