@@ -393,8 +393,9 @@ class RLFlowRun:
         self.last_metrics: dict = {}
         import ray
 
-        self.pids = {f"{role}.{rank}": ray.get(worker.bench_pid.remote())
-                     for role, group in self.trainer.groups.items() for rank, worker in enumerate(group.workers)}
+        # every rank's process runs its worker's methods by name (workers/process.py)
+        self.pids = {f"{role}.{rank}": ray.get(group.call_rank_async(rank, "bench_pid"))[0]
+                     for role, group in self.trainer.groups.items() for rank in range(len(group.workers))}
 
     def peak_rss(self) -> dict[str, float]:
         return {name: peak_rss_mib(pid) for name, pid in self.pids.items()}
@@ -409,7 +410,7 @@ class RLFlowRun:
         # outside the timed region: what each worker spent in each method during that step
         groups = self.trainer.groups
         names = list(groups)
-        per_group = ray.get([groups[r].workers[0].bench_times.remote() for r in names])
+        per_group = ray.get([groups[r].call_rank_async(0, "bench_times")[0] for r in names])
         w = {f"{role}.{name}": secs for role, recs in zip(names, per_group) for name, secs in recs}
         t = {
             "step": wall,

@@ -42,6 +42,27 @@ def test_an_unknown_role_names_itself(bench, monkeypatch):
         bench.timed_workers()
 
 
+def test_rlflow_run_times_each_phase_inside_the_worker_processes(bench, ray_session, tiny_model_dir):
+    """The rlflow column of the table: a real run (Ray worker processes hosting the timed worker
+    classes), each phase's seconds read back from the process that ran it, each rank's pid known
+    (the peak memory column)."""
+    import os
+
+    from conftest import tiny_overrides
+
+    run = bench.RLFlowRun(tiny_overrides(tiny_model_dir, **{"algorithm.adv_estimator": "grpo"}))
+    try:
+        run.step(0)
+        timings = run.step(1)  # the second step: its phases only, not the first step's too
+        pids = dict(run.pids)
+    finally:
+        run.shutdown()
+    assert set(pids) == {"actor.0", "rollout.0"} and os.getpid() not in pids.values()
+    assert all(pid > 0 for pid in pids.values())
+    assert timings["gen"] > 0 and timings["update_actor"] > 0 and timings["step"] >= timings["update_actor"]
+    assert timings["update_tokens"] > 0 and timings["response_tokens"] > 0
+
+
 def test_rollout_engine_table_runs_bench_rollout_and_reports_its_rows(bench, tmp_path):
     """The rollout-engine table: bench_rollout.py in another python (here this venv's, which has no
     vllm: the HF row alone), its JSON read back, one table row per engine and dtype."""
