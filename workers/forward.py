@@ -264,7 +264,9 @@ def response_forward(
 
         def place(values):  # [B, kept, ...] -> [B, R, ...]
             return _pad_to(values, shape[1])
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:  # x / 1.0 is x: at the default temperature skip a pass over [tokens, vocab] each way
+        logits = logits / temperature
     log_softmax = torch.log_softmax(logits, dim=-1)
     out = ResponseForward(place(log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)))
     if with_entropy:
