@@ -391,11 +391,9 @@ class RLFlowRun:
         self.trainer.setup()
         self.setup_s = time.perf_counter() - start
         self.last_metrics: dict = {}
-        import ray
-
         # every rank's process runs its worker's methods by name (workers/process.py)
-        self.pids = {f"{role}.{rank}": ray.get(group.call_rank_async(rank, "bench_pid"))[0]
-                     for role, group in self.trainer.groups.items() for rank in range(len(group.workers))}
+        self.pids = {f"{role}.{rank}": pid
+                     for role, group in self.trainer.groups.items() for rank, pid in enumerate(group.call_all("bench_pid"))}
 
     def peak_rss(self) -> dict[str, float]:
         return {name: peak_rss_mib(pid) for name, pid in self.pids.items()}
