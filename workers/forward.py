@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from rlflow.algos import entropy_from_logits
+from rlflow.algos import token_log_probs
 from rlflow.protocol import prompt_groups
 from workers.sequence import PADDED, SequenceLayout, pack_micro_batch, packed_forward
 
@@ -264,18 +264,18 @@ def response_forward(
 
         def place(values):  # [B, kept, ...] -> [B, R, ...]
             return _pad_to(values, shape[1])
-    logits = logits.float()
-    if temperature != 1.0:  # x / 1.0 is x: at the default temperature skip a pass over [tokens, vocab] each way
-        logits = logits / temperature
-    log_softmax = torch.log_softmax(logits, dim=-1)
-    out = ResponseForward(place(log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)))
-    if with_entropy:
-        out.entropy = place(entropy_from_logits(logits))
-    if top_k > 0:
-        values, ids = log_softmax.topk(top_k, dim=-1)
-        out.topk_log_probs, out.topk_ids = place(values), place(ids)
-    if candidates is not None:
-        out.candidate_log_probs = place(log_softmax.gather(-1, candidates))
+    log_probs, entropy = token_log_probs(logits, tokens, temperature, with_entropy)
+    out = ResponseForward(place(log_probs), None if entropy is None else place(entropy))
+    if top_k > 0 or candidates is not None:
+        scaled = logits.float()
+        if temperature != 1.0:
+            scaled = scaled / temperature
+        log_softmax = torch.log_softmax(scaled, dim=-1)
+        if top_k > 0:
+            values, ids = log_softmax.topk(top_k, dim=-1)
+            out.topk_log_probs, out.topk_ids = place(values), place(ids)
+        if candidates is not None:
+            out.candidate_log_probs = place(log_softmax.gather(-1, candidates))
     return out
 
 

@@ -1,5 +1,6 @@
-"""Pure torch RL algorithms: loss aggregation, loss terms (policy/value/entropy/KL), KL, advantages,
-the rollout correction (mismatch metrics, truncated/masked importance weights), pass@k.
+"""Pure torch RL algorithms: per-token log-probs and entropy, loss aggregation, loss terms
+(policy/value/entropy/KL), KL, advantages, the rollout correction (mismatch metrics,
+truncated/masked importance weights), pass@k.
 
 Imports torch and the standard library only (no ray, transformers or omegaconf), so the driver and
 tests can use it without paying for the heavy stacks.
@@ -74,6 +75,7 @@ from .losses import (
     register_policy_loss,
     value_loss_term,
 )
+from .log_probs import token_log_probs
 from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
 from .pass_at_k import (
     group_samples,
@@ -175,6 +177,7 @@ __all__ = [
     "options_from_section",
     "policy_loss_term",
     "registered_terms",
+    "token_log_probs",
     "masked_count",
     "masked_mean",
     "masked_sum",
