@@ -80,8 +80,9 @@ class _TokenLogProbs(torch.autograd.Function):
 def token_log_probs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(token), entropy of p or None), each [...], float32, for p = softmax(logits / temperature)
-    over the last axis of logits [..., vocab] and tokens [...] (long). Both are differentiable."""
+    """(log p(token), entropy of p or None), each [...] in float32 (float64 for float64 logits), for
+    p = softmax(logits / temperature) over the last axis of logits [..., vocab] and tokens [...]
+    (long). Both are differentiable."""
     leading = tokens.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     log_probs, entropy = _TokenLogProbs.apply(flat_logits, tokens.reshape(-1), float(temperature), with_entropy)
