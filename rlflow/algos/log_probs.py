@@ -41,10 +41,11 @@ class _TokenLogProbs(torch.autograd.Function):
             shifted.sub_(row_max)
             exp_shifted = shifted.exp()
             partition = exp_shifted.sum(dim=-1)
-            log_normalizer[start : start + step] = row_max.squeeze(-1) + partition.log()
+            log_partition = partition.log()
+            log_normalizer[start : start + step] = row_max.squeeze(-1) + log_partition
             if with_entropy:  # H = log Z - E_p[z], both taken about the row's max
                 expected = (exp_shifted * shifted).sum(dim=-1) / partition
-                entropy[start : start + step] = partition.log() - expected
+                entropy[start : start + step] = log_partition - expected
         chosen = _scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature)
         log_probs = chosen - log_normalizer
         ctx.save_for_backward(logits, tokens, log_normalizer, entropy)
