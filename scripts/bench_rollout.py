@@ -1,4 +1,4 @@
-"""Rollout throughput: vLLM (workers/rollout/vllm.py) against HF generate (workers/rollout/hf.py).
+"""Rollout throughput: vLLM (workers/rollout/vllm.py) against the HF engine (workers/rollout/hf.py).
 
     python scripts/bench_rollout.py                      # tiny Qwen2 built in a temp folder, CPU
     python scripts/bench_rollout.py --model DIR --batch 64 --response-length 16 --n 1
@@ -114,7 +114,7 @@ def main() -> None:
         hf = HFRollout(model_dir, micro_batch_size=max(args.batch, 1), **common)
         start = time.perf_counter() - t0
         res = time_engine(hf, batch, args)
-        rows.append(("hf generate", start, res, time_sync(hf, model_dir)))
+        rows.append(("hf engine", start, res, time_sync(hf, model_dir)))
         del hf
 
     if "vllm" in engines:

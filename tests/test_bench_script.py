@@ -78,10 +78,10 @@ def test_rollout_engine_table_runs_bench_rollout_and_reports_its_rows(bench, tmp
     (run,) = engines["runs"]
     assert run["dtype"] == "float32" and run["batch"] == 4 and run["vllm_compile"]
     engine_names = [row["engine"] for row in run["rows"]]
-    assert engine_names[0] == "hf generate"
+    assert engine_names[0] == "hf engine"
     assert run["rows"][0]["tokens"] > 0 and run["rows"][0]["tok_s"] > 0
     table = "\n".join(bench.rollout_report(engines))
-    assert "| hf generate | float32 |" in table
+    assert "| hf engine | float32 |" in table
 
     missing = bench.rollout_engines(model_dir, SimpleNamespace(**{**vars(args), "rollout_python": str(tmp_path / "nope")}))
     assert "no vllm venv at" in missing["note"] and "no vllm venv at" in "\n".join(bench.rollout_report(missing))
@@ -90,13 +90,13 @@ def test_rollout_engine_table_runs_bench_rollout_and_reports_its_rows(bench, tmp
 def test_rollout_report_gives_the_ratio_per_dtype_and_at_each_engines_fastest(bench):
     def run(dtype, hf, vllm):
         return {"dtype": dtype, "batch": 128, "response_length": 64, "load_avg": [1.0, 1.0, 1.0],
-                "rows": [{"engine": "hf generate", "start_s": 0.3, "seconds": 1.0, "tokens": hf, "tok_s": hf, "sync_s": 0.1},
+                "rows": [{"engine": "hf engine", "start_s": 0.3, "seconds": 1.0, "tokens": hf, "tok_s": hf, "sync_s": 0.1},
                          {"engine": "vllm", "start_s": 50.0, "seconds": 1.0, "tokens": vllm, "tok_s": vllm, "sync_s": 0.5}]}
 
     table = "\n".join(bench.rollout_report({"runs": [run("float32", 200, 400), run("bfloat16", 300, 1200)]}))
-    assert "- float32: vLLM 2.00x HF generate's tokens/s" in table
-    assert "- bfloat16: vLLM 4.00x HF generate's tokens/s" in table
-    assert "- each at its fastest dtype: vLLM (bfloat16) 4.00x HF generate (bfloat16)" in table
+    assert "- float32: vLLM 2.00x the HF engine's tokens/s" in table
+    assert "- bfloat16: vLLM 4.00x the HF engine's tokens/s" in table
+    assert "- each at its fastest dtype: vLLM (bfloat16) 4.00x the HF engine (bfloat16)" in table
 
 
 def test_limit_report_gives_the_updates_flops_against_the_matmul(bench):

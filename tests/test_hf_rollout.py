@@ -1,4 +1,4 @@
-"""The HF generate engine: rollout log-probs under the distribution actually sampled from.
+"""The HF engine: rollout log-probs under the distribution actually sampled from.
 
 In process (no Ray): the engine's `rollout_log_probs` of the tokens it generated equal the actor's
 log-probs of the same tokens (workers/forward.response_log_probs, the path the update uses) at the
@@ -175,3 +175,41 @@ def test_hf_engine_refuses_tensor_parallelism():
     cfg = load_config(None, ["rollout.name=auto", "rollout.tensor_parallel_size=2"])
     with pytest.raises(ValueError, match="tensor_parallel_size=2: the hf engine runs one model per rollout rank"):
         HFRollout.from_config("unused", cfg, device=torch.device("cpu"), seed=0, pad_token_id=0, eos_token_id=2)
+
+
+def test_each_prompt_is_read_once_for_its_n_responses(tiny_model_dir):
+    """The first forward reads the B prompts, not B*n rows; then one token per row and step. The
+    log-probs of the shared cache's responses are the actor's (test_sampled_log_probs_equal_the_actors)."""
+    engine = _engine(tiny_model_dir)
+    prompts = _prompts(engine.model.config.vocab_size, engine.pad_token_id)
+    fed = []
+    hook = engine.model.register_forward_pre_hook(lambda _m, _a, kwargs: fed.append(tuple(kwargs["input_ids"].shape)),
+                                                  with_kwargs=True)
+    try:
+        out = engine.generate(prompts, n=3, do_sample=True, seed=11)
+    finally:
+        hook.remove()
+    assert fed[0] == tuple(prompts["input_ids"].shape)
+    assert fed[1:] and set(fed[1:]) == {(3 * prompts.batch_size[0], 1)}
+    assert len(fed) <= out["responses"].shape[1]  # the last token drawn is not fed
+
+
+def test_draw_inverts_the_cdf_and_never_draws_a_cut_token(monkeypatch):
+    """One uniform per row picks the token whose CDF interval holds it; a uniform at the top (u *
+    total rounded up to total) still picks the last token of nonzero probability, not a cut one
+    after it nor an index past the vocabulary."""
+    from workers.rollout.hf import draw
+
+    log_probs = torch.log(torch.tensor([[0.5, 0.0, 0.25, 0.25, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]]))
+    for uniform, expected in ((0.0, [0, 1]), (0.49, [0, 1]), (0.5, [2, 1]), (0.74, [2, 1]), (0.75, [3, 1]),
+                              (1 - 2 ** -53, [3, 1]), (1.0, [3, 1])):
+        monkeypatch.setattr(torch, "rand", lambda *shape, uniform=uniform, **kw: torch.full(*shape, uniform, **kw))
+        assert draw(log_probs).tolist() == expected, uniform
+    monkeypatch.undo()
+    # 20k draws from one row: frequencies within 4 sigma of the probabilities
+    probs = torch.tensor([0.05, 0.0, 0.6, 0.2, 0.15])
+    torch.manual_seed(0)
+    drawn = draw(probs.log().expand(20000, -1))
+    frequency = torch.bincount(drawn, minlength=5).double() / drawn.numel()
+    sigma = (probs.double() * (1 - probs.double()) / drawn.numel()).sqrt()
+    assert frequency[1] == 0 and bool(((frequency - probs.double()).abs() <= 4 * sigma + 1e-12).all()), frequency

@@ -1,9 +1,13 @@
-"""Rollout with transformers' generate: the engine that always works, and the one the tests run.
+"""Rollout with a transformers model and a decode loop of its own: the engine that always works,
+and the one the tests run.
 
-Partial rollout's chunks (`continue_ids`) run a decode loop of their own instead of `generate`:
-each response keeps its KV cache from one chunk to the next while the weights stay the same, so
-a chunk reads only the tokens new to the engine (a response's prefix again only after a weight
-load), and the loop stops between two tokens when the worker needs the engine (`pause`).
+Generation reads each prompt once and gives its cache to the prompt's n responses (generate reads
+it n times), and samples a token per row by inverting the row's CDF at one uniform draw
+(torch.multinomial draws an exponential for every entry of the vocabulary). Partial rollout's
+chunks (`continue_ids`) run the same loop: each response keeps its KV cache from one chunk to the
+next while the weights stay the same, so a chunk reads only the tokens new to the engine (a
+response's prefix again only after a weight load), and the loop stops between two tokens when the
+worker needs the engine (`pause`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,72 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool, temperature: float, to
             drop[:, -1] = False
             logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     log_probs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.multinomial(log_probs.exp(), 1).squeeze(-1) if do_sample else logits.argmax(-1)
+    tokens = draw(log_probs) if do_sample else logits.argmax(-1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def draw(log_probs: torch.Tensor) -> torch.Tensor:
+    """[B] tokens, one per row of [B, V] log-probs: the row's CDF inverted at one uniform draw of
+    torch's global generator. The CDF sums in float64, so a token's chance is its probability to
+    about 1e-16; a token of probability 0 (cut by top-k or top-p) is never drawn."""
+    cdf = torch.cumsum(log_probs.exp(), dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    uniform = torch.rand(total.shape, dtype=torch.float64, device=total.device) * total
+    # were u * total to reach total, searchsorted would point past the last token of nonzero probability
+    uniform = torch.minimum(uniform, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, uniform, right=True).squeeze(-1)
+
+
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, copies: int, max_new_tokens: int,
+                    eos_token_id: int, do_sample: bool, temperature: float, top_p: float, top_k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B*copies, T] tokens, [B*copies, T] their log-probs) after left-padded prompts [B, P], in
+    repeat_interleave order, T <= max_new_tokens (fewer once every row has an EOS; the tokens after a
+    row's EOS are for the caller to cut). Each prompt is read once; its cache serves its copies."""
+    from workers.forward import _takes_logits_to_keep
+
+    device = model.device
+    mask = attention_mask.to(device)
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
+    out = model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=prompt_positions(mask),
+                use_cache=True, **extra)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    if copies > 1:
+        past.batch_repeat_interleave(copies)
+        logits, mask = logits.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
+    sample = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
+    tokens, log_probs, _, _, _ = decode(model, logits, past, mask, max_new_tokens, eos_token_id, sample)
+    return torch.stack(tokens, dim=1).cpu(), torch.stack(log_probs, dim=1).cpu()
+
+
+def decode(model, logits: torch.Tensor, past, mask: torch.Tensor, max_new_tokens: int, eos_token_id: int,
+           sample: dict, pause: Callable[[], bool] | None = None):
+    """The decode loop: a token per row from `logits` ([B, V], the last column's output), then a
+    forward of the new tokens against the cache `past` (valid where `mask`, [B, T], is), until
+    max_new_tokens, every row's EOS, or `pause()`. Returns the tokens and their log-probs (lists of
+    [B] per step), which rows drew an EOS, and the cache with its mask (it holds every token but
+    the last drawn)."""
+    tokens, log_probs = [], []
+    ended = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    ones = torch.ones(logits.shape[0], 1, dtype=mask.dtype, device=mask.device)
+    while True:
+        token, log_prob = sample_next(logits, **sample)
+        tokens.append(token)
+        log_probs.append(log_prob)
+        ended |= token == eos_token_id
+        if len(tokens) == max_new_tokens or bool(ended.all()) or (pause is not None and pause()):
+            return tokens, log_probs, ended, past, mask
+        positions = mask.sum(-1, keepdim=True)
+        mask = torch.cat([mask, ones], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=past,
+                    use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
 
 
 def _stack_left_padded(per_row: list[list[tuple[torch.Tensor, torch.Tensor]] | None], num_layers: int):
@@ -61,7 +129,7 @@ def _stack_left_padded(per_row: list[list[tuple[torch.Tensor, torch.Tensor]] | N
 
 @register_engine("hf")
 class HFRollout(RolloutEngine):
-    """transformers' generate, micro-batched over prompts."""
+    """A transformers causal LM and this module's decode loop, micro-batched over prompts."""
 
     reusable_process = True  # a model and its tensors: dropped, they are gone
 
@@ -102,49 +170,23 @@ class HFRollout(RolloutEngine):
         return cls(model_path, micro_batch_size=cfg.rollout.micro_batch_size,
                    **cls.common_kwargs(cfg, seed, pad_token_id, eos_token_id))
 
-    def _sampling_kwargs(self, do_sample: bool, temperature: float, top_p: float) -> dict:
-        if not do_sample:
-            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        return {"do_sample": True, "temperature": temperature, "top_p": top_p,
-                "top_k": self.top_k if self.top_k > 0 else 0}
-
     def generate_ids(self, input_ids, attention_mask, *, n, do_sample, seed, return_log_probs, temperature, top_p,
                      max_new_tokens):
-        prompt_width = input_ids.shape[1]
         generator_seed = self.seed if seed is None else seed
+        copies = n if do_sample else 1  # greedy: generated once, repeated
         response_ids: list[list[int]] = []
         log_probs: list[list[float]] = []
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
-            ids = input_ids[start : start + self.micro_batch_size].to(self.device)
-            mask = attention_mask[start : start + self.micro_batch_size].to(self.device)
             # reproducible sampling: the same seed gives the same responses for the same weights
             torch.manual_seed(generator_seed + start)
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                num_return_sequences=n if do_sample else 1,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
-                output_scores=return_log_probs,
-                return_dict_in_generate=True,
-                **self._sampling_kwargs(do_sample, temperature, top_p),
-            )
-            generated = out.sequences[:, prompt_width:]
-            token_log_probs = None
+            tokens, token_log_probs = generate_tokens(
+                self.model, input_ids[start : start + self.micro_batch_size],
+                attention_mask[start : start + self.micro_batch_size], copies=copies, max_new_tokens=max_new_tokens,
+                eos_token_id=self.eos_token_id, do_sample=do_sample, temperature=temperature, top_p=top_p,
+                top_k=self.top_k)
+            response_ids.extend(tokens.repeat_interleave(n // copies, dim=0).tolist())
             if return_log_probs:
-                # out.scores holds each step's PROCESSED logits (temperature, top-k, top-p applied):
-                # the log-prob of the token under the distribution it was sampled from
-                token_log_probs = torch.stack([
-                    torch.log_softmax(scores.float(), dim=-1).gather(-1, generated[:, t : t + 1]).squeeze(-1)
-                    for t, scores in enumerate(out.scores)], dim=1).cpu()
-            generated = generated.cpu()
-            if not do_sample and n > 1:  # greedy: generated once, repeated
-                generated = generated.repeat_interleave(n, dim=0)
-                token_log_probs = None if token_log_probs is None else token_log_probs.repeat_interleave(n, dim=0)
-            response_ids.extend(generated.tolist())
-            if token_log_probs is not None:
-                log_probs.extend(token_log_probs.tolist())
+                log_probs.extend(token_log_probs.repeat_interleave(n // copies, dim=0).tolist())
         return response_ids, (log_probs if return_log_probs else None)
 
     @torch.no_grad()
@@ -159,35 +201,22 @@ class HFRollout(RolloutEngine):
         self._prefill([row for row, kv in enumerate(cached) if kv is None], sequences, cached)
         # every row's cache now covers its sequence but the last token, which the first step feeds
         past, mask = _stack_left_padded(cached, model.config.num_hidden_layers)
-        positions = mask.sum(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones(len(sequences), 1, dtype=torch.long)], dim=1)
+        positions = mask.sum(-1, keepdim=True).to(self.device)
+        mask = torch.cat([mask, torch.ones(len(sequences), 1, dtype=torch.long)], dim=1).to(self.device)
         torch.manual_seed(self.seed if seed is None else seed)
         sample = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=self.top_k)
         out = model(input_ids=torch.tensor([seq[-1:] for seq in sequences], device=self.device),
-                    attention_mask=mask.to(self.device), position_ids=positions.to(self.device), past_key_values=past,
-                    use_cache=True)
-        tokens, log_probs = [], []
-        ended = torch.zeros(len(sequences), dtype=torch.bool)
-        while True:
-            token, log_prob = sample_next(out.logits[:, -1], **sample)
-            tokens.append(token.cpu())
-            log_probs.append(log_prob.cpu())
-            ended |= tokens[-1] == self.eos_token_id
-            if len(tokens) == max_new_tokens or bool(ended.all()) or (pause is not None and pause()):
-                break
-            positions = mask.sum(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones(len(sequences), 1, dtype=torch.long)], dim=1)
-            out = model(input_ids=token[:, None], attention_mask=mask.to(self.device),
-                        position_ids=positions.to(self.device), past_key_values=out.past_key_values, use_cache=True)
+                    attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+        tokens, log_probs, ended, past, mask = decode(model, out.logits[:, -1], out.past_key_values, mask,
+                                                      max_new_tokens, self.eos_token_id, sample, pause)
         new_tokens = torch.stack(tokens, dim=1).tolist()
         # keep the caches of the rows that go on: each covers its new sequence but the last token
         self._row_caches = {}
-        layers = out.past_key_values.layers
         for row, seq in enumerate(sequences):
             if not bool(ended[row]):
-                valid = mask[row].bool().to(self.device)
+                valid = mask[row].bool()
                 self._row_caches[tuple(seq + new_tokens[row])] = [
-                    (layer.keys[row][:, valid], layer.values[row][:, valid]) for layer in layers]
+                    (layer.keys[row][:, valid], layer.values[row][:, valid]) for layer in past.layers]
         return new_tokens, (torch.stack(log_probs, dim=1).tolist() if return_log_probs else None)
 
     def _prefill(self, rows: list[int], sequences: list[list[int]], cached: list) -> None:
