@@ -213,3 +213,30 @@ def test_draw_inverts_the_cdf_and_never_draws_a_cut_token(monkeypatch):
     frequency = torch.bincount(drawn, minlength=5).double() / drawn.numel()
     sigma = (probs.double() * (1 - probs.double()) / drawn.numel()).sqrt()
     assert frequency[1] == 0 and bool(((frequency - probs.double()).abs() <= 4 * sigma + 1e-12).all()), frequency
+
+
+def test_grouped_query_attention_keeps_its_kv_heads_and_its_outputs(tiny_model_dir):
+    """On CPU the engine's model (2 K/V heads for 4 query heads) runs grouped_sdpa: under the mask of
+    left-padded prompts and in the decode loop the same responses and log-probs as transformers' sdpa,
+    bitwise, without copying K and V to every query head."""
+    from transformers.integrations import sdpa_attention
+
+    from workers.rollout.hf import GROUPED_SDPA
+
+    engine = _engine(tiny_model_dir)
+    assert engine.model.config.num_key_value_heads < engine.model.config.num_attention_heads
+    assert engine.model.config._attn_implementation == GROUPED_SDPA
+    prompts = _prompts(engine.model.config.vocab_size, engine.pad_token_id)
+    copies = []
+    original_repeat_kv = sdpa_attention.repeat_kv
+    sdpa_attention.repeat_kv = lambda hidden, n_rep: copies.append(n_rep) or original_repeat_kv(hidden, n_rep)
+    try:
+        grouped = engine.generate(prompts, n=3, do_sample=True, seed=11, return_log_probs=True)
+        assert not copies
+        engine.model.set_attn_implementation("sdpa")
+        plain = engine.generate(prompts, n=3, do_sample=True, seed=11, return_log_probs=True)
+        assert copies  # transformers' sdpa copies under a mask
+    finally:
+        sdpa_attention.repeat_kv = original_repeat_kv
+    assert torch.equal(grouped["responses"], plain["responses"])
+    assert torch.equal(grouped["rollout_log_probs"], plain["rollout_log_probs"])

@@ -104,6 +104,40 @@ def decode(model, logits: torch.Tensor, past, mask: torch.Tensor, max_new_tokens
         past, logits = out.past_key_values, out.logits[:, -1]
 
 
+GROUPED_SDPA = "rlflow_grouped_sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa attention, but grouped-query models keep their K/V heads (enable_gqa)
+    under a mask too: transformers copies each K/V head to every query head of its group first
+    whenever a mask is given (left-padded prompts), a copy per layer and step that torch's CPU
+    kernel does not need. The same outputs, bitwise, on the shapes the decode loop runs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None
+            or kwargs.get("cache") is not None or kwargs.get("output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model) -> None:
+    """A CPU model on sdpa attention runs grouped_sdpa (with sdpa's masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+        return
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    model.set_attn_implementation(GROUPED_SDPA)
+
+
 def _stack_left_padded(per_row: list[list[tuple[torch.Tensor, torch.Tensor]] | None], num_layers: int):
     """Rows' caches ([heads, T_row, dim] per layer; None: nothing cached) as one left-padded
     DynamicCache and its [B, T] mask."""
@@ -156,6 +190,7 @@ class HFRollout(RolloutEngine):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
+        use_grouped_sdpa(self.model)
         self.seed = seed
         self.micro_batch_size = micro_batch_size
         # partial rollout: sequence -> its KV cache ([heads, len - 1, dim] per layer), valid while
