@@ -72,9 +72,12 @@ FAMILIES = {
            "actor.optim.name": "sgd", "critic.optim.name": "sgd", "actor.optim.lr": SGD_LR["actor"], "critic.optim.lr": SGD_LR["critic"]},
 }
 # multi-turn: trajectories of 1-3 model turns with observation holes (tests/agent_loop_envs.py),
-# token-mean actor and critic with plain SGD, as S1
+# token-mean actor and critic with plain SGD, as S1. A turn ends at EOS or at the trajectory's 16
+# tokens, and one SGD step at this lr can take EOS out of every first turn of step 2 (seeds 0, 1 and
+# 3 of the HF engine's sampler did): seed 2's recording has holes and mixed turn counts at both
+# steps, which test_multi_turn_recording_has_holes_and_mixed_turn_counts checks
 FAMILIES["M1"] = {**FAMILIES["S1"], "data.max_response_length": 16, "rollout.agent.max_turns": 3,
-                  "rollout.agent.num_workers": 0,
+                  "rollout.agent.num_workers": 0, "trainer.seed": 2,
                   "rollout.agent.env": os.path.join(os.path.dirname(__file__), "agent_loop_envs.py") + ":CountingEnv"}
 # the objectives beyond PPO's clip, each on S1's SGD setting: CISPO's clipped IS weight, SAPO's soft
 # gate, and on-policy distillation's reverse KL to a teacher (a second random tiny model) added to
