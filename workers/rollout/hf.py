@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlflow.protocol import left_pad
+from rlflow.protocol import left_pad, position_ids_from_mask
 from workers.rollout.engine import RolloutEngine, register_engine
 
 
@@ -52,11 +52,6 @@ def draw(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, uniform, right=True).squeeze(-1)
 
 
-def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of left-padded rows: 0 at each row's first real token."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 @torch.no_grad()
 def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, copies: int, max_new_tokens: int,
                     eos_token_id: int, do_sample: bool, temperature: float, top_p: float, top_k: int
@@ -69,7 +64,7 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     device = model.device
     mask = attention_mask.to(device)
     extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
-    out = model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=prompt_positions(mask),
+    out = model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=position_ids_from_mask(mask),
                 use_cache=True, **extra)
     past, logits = out.past_key_values, out.logits[:, -1]
     if copies > 1:
@@ -266,7 +261,7 @@ class HFRollout(RolloutEngine):
         ids, mask = left_pad([sequences[row][:-1] for row in rows], self.pad_token_id)
         extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(self.model)) else {}
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(self.device), use_cache=True, **extra)
+                         position_ids=position_ids_from_mask(mask).to(self.device), use_cache=True, **extra)
         for index, row in enumerate(rows):
             valid = mask[index].bool().to(self.device)
             cached[row] = [(layer.keys[index][:, valid], layer.values[index][:, valid])
