@@ -109,3 +109,36 @@ def test_without_entropy_none_is_returned_and_the_gradient_is_the_log_prob_s():
     huge = torch.tensor([[1e4, 0.0, -1e4]])
     log_prob, entropy = token_log_probs(huge, torch.tensor([0]), with_entropy=True)
     assert float(log_prob) == pytest.approx(0.0, abs=1e-6) and float(entropy) == pytest.approx(0.0, abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits_rows=st.integers(1, 9), tokens_count=st.integers(1, 12), vocab=st.integers(2, 40),
+    temperature=st.sampled_from([0.7, 1.0]), chunk_elements=st.sampled_from([1, 37, 1 << 19]),
+    entropy_in_loss=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_tokens_sharing_rows_of_logits_get_the_values_and_gradients_of_a_gathered_copy(
+        logits_rows, tokens_count, vocab, temperature, chunk_elements, entropy_in_loss, seed):
+    """rows=: a row of logits read by several tokens (or by none) gives each of them what the plain
+    route gives on logits[rows], and the gradient that the gather's backward sums into that row."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(logits_rows, vocab, generator=gen, dtype=torch.float64) * 4
+    rows = torch.randint(0, logits_rows, (tokens_count,), generator=gen)
+    tokens = torch.randint(0, vocab, (tokens_count,), generator=gen)
+    tokens[-1] = tokens[0]  # the same token of the same row twice, where rows repeat
+    rows[-1] = rows[0]
+    grad_log_probs = torch.randn(tokens_count, generator=gen, dtype=torch.float64)
+    grad_entropy = torch.randn(tokens_count, generator=gen, dtype=torch.float64) if entropy_in_loss else None
+    original = log_probs_module._CHUNK_ELEMENTS
+    log_probs_module._CHUNK_ELEMENTS = chunk_elements
+    try:
+        got = _values_and_grads(lambda x, t, temp: token_log_probs(x, t, temp, with_entropy=True, rows=rows),
+                                logits, tokens, temperature, grad_log_probs, grad_entropy)
+    finally:
+        log_probs_module._CHUNK_ELEMENTS = original
+    want = _values_and_grads(lambda x, t, temp: _plain(x[rows], t, temp), logits, tokens, temperature, grad_log_probs,
+                             grad_entropy)
+    for name, got_value, want_value in zip(("log_probs", "entropy", "grad"), got, want):
+        torch.testing.assert_close(got_value, want_value, rtol=1e-10, atol=1e-10, msg=name)
+    unread = torch.ones(logits_rows, dtype=torch.bool).index_fill_(0, rows, False)
+    assert (got[2][unread] == 0).all()

@@ -127,9 +127,10 @@ def _packing(td: TensorDict, group: torch.Tensor, prompt_cols: int, prompt_width
 def _shared_prompt_forward(
     model: torch.nn.Module, td: TensorDict, group: torch.Tensor, packing: _Packing, left: int, prompt_width: int,
     kept: int, extra: dict,
-) -> torch.Tensor:
-    """The plain forward's per-row output for the columns that predict response tokens 0..kept-1
-    ([B, kept, ...]), computed with each group's prompt once (see the module docstring)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain forward's per-row output for the columns that predict response tokens 0..kept-1,
+    computed with each group's prompt once (see the module docstring): the packed columns' outputs
+    [N, ...] and, [B, kept], the one of each row's column (a prompt's last column serves its group's rows)."""
     ids, attention, positions = td["input_ids"], td["attention_mask"], td["position_ids"]
     device = ids.device
     rows = ids.shape[0]
@@ -174,11 +175,16 @@ def _shared_prompt_forward(
     source = offsets[:, None] + columns[None, :] - 1
     from_prompt = (columns[None, :] == 0) | (columns[None, :] > segment_len[:, None])
     source = torch.where(from_prompt, torch.full_like(source, prompt_cols - 1), source)
-    return output.logits[group[:, None], source - first_kept]
+    outputs = output.logits
+    return outputs.reshape(-1, *outputs.shape[2:]), group[:, None] * outputs.shape[1] + source - first_kept
 
 
-def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False) -> tuple[torch.Tensor, int]:
-    """The model's per-column output for the columns that predict response tokens 0 .. kept-1."""
+def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(outputs, index, kept): the model's output for the columns that predict response tokens
+    0 .. kept-1, [B, kept, ...] with index None, or with the shared-prompt forward [N, ...] and
+    index [B, kept] (row b's column j is outputs[index[b, j]]), so that no [B, kept, vocab] copy
+    of the logits is made."""
     left, prompt_width, kept = _trim_window(td)
     end = prompt_width + kept
     # position t predicts token t+1: response token j is predicted at column prompt_width-1+j,
@@ -197,7 +203,7 @@ def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
             config = _hf_model(model).config
             plain_cost = _forward_cost(config, group.numel(), end - left)
             if _forward_cost(config, packing.num_groups, packing.length) < plain_cost:
-                return _shared_prompt_forward(model, td, group, packing, left, prompt_width, kept, extra), kept
+                return *_shared_prompt_forward(model, td, group, packing, left, prompt_width, kept, extra), kept
     output = model(
         input_ids=td["input_ids"][:, left:end],
         attention_mask=td["attention_mask"][:, left:end],
@@ -205,7 +211,7 @@ def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
         use_cache=False,
         **extra,
     )
-    return output.logits[:, start : start + kept], kept
+    return output.logits[:, start : start + kept], None, kept
 
 
 def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -252,22 +258,23 @@ def response_forward(
     shape = tuple(td["responses"].shape)
     if layout.packs:
         packed, logits = _packed_forward(model, td, layout)
+        rows = None
         tokens = td["responses"][packed.rows, packed.columns]
         candidates = None if candidate_ids is None else candidate_ids[packed.rows, packed.columns]
 
         def place(values):  # [K, ...] of this rank -> [B, R, ...]
             return layout.gather(values, packed, shape + tuple(values.shape[1:]))
     else:
-        logits, kept = _forward_window(model, td, share_prompt)
+        logits, rows, kept = _forward_window(model, td, share_prompt)
         tokens = td["responses"][:, :kept]
         candidates = None if candidate_ids is None else candidate_ids[:, :kept]
 
         def place(values):  # [B, kept, ...] -> [B, R, ...]
             return _pad_to(values, shape[1])
-    log_probs, entropy = token_log_probs(logits, tokens, temperature, with_entropy)
+    log_probs, entropy = token_log_probs(logits, tokens, temperature, with_entropy, rows=rows)
     out = ResponseForward(place(log_probs), None if entropy is None else place(entropy))
     if top_k > 0 or candidates is not None:
-        scaled = logits.float()
+        scaled = (logits if rows is None else logits[rows]).float()
         if temperature != 1.0:
             scaled = scaled / temperature
         log_softmax = torch.log_softmax(scaled, dim=-1)
@@ -285,5 +292,7 @@ def response_values(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
     if layout.packs:
         packed, scores = _packed_forward(model, td, layout)
         return layout.gather(scores.squeeze(-1).float(), packed, tuple(td["responses"].shape))
-    scores, kept = _forward_window(model, td, share_prompt)
+    scores, rows, kept = _forward_window(model, td, share_prompt)
+    if rows is not None:
+        scores = scores[rows]
     return _pad_to(scores.squeeze(-1).float(), td["responses"].shape[1])
