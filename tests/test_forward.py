@@ -101,7 +101,12 @@ def _perturbed(model):
 def _causal_lm(tiny_model_dir, attention="sdpa", wrap="plain"):
     from transformers import AutoModelForCausalLM
 
-    model = _perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention))
+    from workers.forward import use_shared_prompt_sdpa
+
+    loaded_as = "sdpa" if attention == "shared_prompt_sdpa" else attention
+    model = _perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=loaded_as))
+    if attention == "shared_prompt_sdpa":  # as share_prompt_setting switches a role's sdpa model
+        use_shared_prompt_sdpa(model)
     if wrap == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -126,7 +131,8 @@ def _log_prob_gradients(model, batch, share_prompt):
     return log_probs.detach(), entropy.detach(), grads
 
 
-@pytest.mark.parametrize("attention,wrap", [("sdpa", "plain"), ("eager", "plain"), ("sdpa", "lora")])
+@pytest.mark.parametrize("attention,wrap", [("sdpa", "plain"), ("eager", "plain"), ("sdpa", "lora"),
+                                            ("shared_prompt_sdpa", "plain"), ("shared_prompt_sdpa", "lora")])
 def test_a_shared_prompt_forward_equals_the_plain_forward_and_runs_each_prompt_once(tiny_model_dir, attention, wrap):
     model = _causal_lm(tiny_model_dir, attention, wrap)
     # the rows of a prompt need not be adjacent: row order 0 3 6 1 4 7 2 5 8 interleaves the groups
@@ -148,11 +154,14 @@ def test_a_shared_prompt_forward_equals_the_plain_forward_and_runs_each_prompt_o
         assert torch.allclose(grad, want_grads[name], atol=1e-5 * float(scale), rtol=0), name
 
 
-def test_a_shared_prompt_value_forward_equals_the_plain_one(tiny_model_dir):
+@pytest.mark.parametrize("attention", ["sdpa", "shared_prompt_sdpa"])
+def test_a_shared_prompt_value_forward_equals_the_plain_one(tiny_model_dir, attention):
     from workers.critic import load_value_model
-    from workers.forward import response_values
+    from workers.forward import response_values, use_shared_prompt_sdpa
 
     model = _perturbed(load_value_model(tiny_model_dir, "float32"))
+    if attention == "shared_prompt_sdpa":
+        use_shared_prompt_sdpa(model)
     batch = _grouped_batch([8, 0, 4, 1, 5, 2, 6, 3, 7])
     mask = batch["response_mask"].bool()
     for share_prompt in (False, True):
@@ -165,8 +174,9 @@ def test_a_shared_prompt_value_forward_equals_the_plain_one(tiny_model_dir):
     assert torch.allclose(model.score.weight.grad, want_grad, atol=1e-5 * float(want_grad.abs().max()), rtol=0)
 
 
-def test_without_a_repeated_prompt_the_shared_prompt_forward_is_the_plain_one_bitwise(tiny_model_dir):
-    model = _causal_lm(tiny_model_dir)
+@pytest.mark.parametrize("attention", ["sdpa", "shared_prompt_sdpa"])
+def test_without_a_repeated_prompt_the_shared_prompt_forward_is_the_plain_one_bitwise(tiny_model_dir, attention):
+    model = _causal_lm(tiny_model_dir, attention)
     batch = _grouped_batch([0, 3, 6])  # one row of each prompt
     with torch.no_grad():
         plain = response_log_probs(model, batch, 0.7, with_entropy=True)
@@ -249,3 +259,33 @@ def test_long_responses_behind_a_short_prompt_take_the_plain_forward(tiny_model_
     with torch.no_grad():
         response_log_probs(model, short, 1.0, share_prompt=True)
     assert seen == [(1, 1 + 3 + 2)], seen
+
+
+def test_shared_prompt_sdpa_packs_long_responses_too_and_computes_only_a_row_s_own_pairs(tiny_model_dir):
+    """The batch the cost rule keeps plain on sdpa: shared_prompt_sdpa packs it (one sequence), with
+    the plain forward's log-probs, and its attention calls see the prompt alone, then each row's
+    prompt and response (2 rows x 41 keys), never the packed length's 81."""
+    import torch.nn.functional as F
+
+    model = _causal_lm(tiny_model_dir, "shared_prompt_sdpa")
+    ids, mask = left_pad([[5]], pad_token_id=1)
+    batch = assemble_rollout(ids, mask, [list(range(10, 50)), list(range(50, 90))], 2, 48, pad_token_id=1,
+                             eos_token_id=0)
+    seen, keys = _sequences_seen(model), []
+    original = F.scaled_dot_product_attention
+
+    def recording(query, key, *args, **kwargs):
+        keys.append(tuple(key.shape[::2]))  # (rows, keys)
+        return original(query, key, *args, **kwargs)
+
+    with torch.no_grad():
+        plain = response_log_probs(model, batch, 1.0)[0]
+        F.scaled_dot_product_attention = recording
+        try:
+            shared = response_log_probs(model, batch, 1.0, share_prompt=True)[0]
+        finally:
+            F.scaled_dot_product_attention = original
+    assert seen == [(2, 41), (1, 81)], seen
+    layers = model.config.num_hidden_layers
+    assert keys == [(1, 1), (2, 41)] * layers, keys
+    assert torch.allclose(shared, plain, atol=1e-5, rtol=0)

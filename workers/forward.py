@@ -12,9 +12,11 @@ response, with an attention mask that lets every response see the prompt and its
 position ids that continue the prompt's for each of them. Every response token sees exactly the
 keys and positions of the plain forward, so the outputs are the plain forward's up to float
 rounding (the matmuls have other shapes), and the prompt's cost is paid once per group instead of
-once per row. A micro-batch without a repeated prompt, or whose packed sequences would cost more
-multiply-adds than the plain forward (long responses: attention grows with the square of the
-packed length), takes the plain forward, bitwise as before.
+once per row. On sdpa attention the model runs `shared_prompt_sdpa`, which attends each row's
+response to its prompt and itself without the pairs the mask would drop; on eager attention a
+micro-batch whose packed sequences would cost more multiply-adds than the plain forward (long
+responses: its attention grows with the square of the packed length) takes the plain forward. So
+does a micro-batch without a repeated prompt, bitwise as before.
 """
 
 from __future__ import annotations
@@ -62,13 +64,16 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def share_prompt_setting(model: torch.nn.Module, requested: bool, key: str) -> bool:
     """Whether a role's forwards share prompts: `key` is set and the model supports it (a model that
-    does not is warned about once, naming the key, and runs the plain forward)."""
+    does not is warned about once, naming the key, and runs the plain forward). A model on sdpa
+    attention that shares prompts runs shared_prompt_sdpa."""
     if requested and not supports_shared_prompt(model):
         config = _hf_model(model).config
         logger.warning("%s: the model (attention %s, sliding window %s) cannot take the shared-prompt mask; its "
                        "forwards run every row's prompt. Set %s=false to silence this.",
                        key, getattr(config, "_attn_implementation", None), getattr(config, "sliding_window", None), key)
         return False
+    if requested:
+        use_shared_prompt_sdpa(model)
     return requested
 
 
@@ -79,15 +84,101 @@ def supports_shared_prompt(model: torch.nn.Module) -> bool:
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     return (
         hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads")  # for _forward_cost
-        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager", SHARED_PROMPT_SDPA)
         and getattr(config, "sliding_window", None) is None
         and all(kind == "full_attention" for kind in layer_types)
     )
 
 
+SHARED_PROMPT_SDPA = "rlflow_shared_prompt_sdpa"
+
+
+@dataclass
+class _RowsOfPackedSequences:
+    """The packed sequences' attention taken as each row's own: the prompt's columns attend within
+    the prompt, each row's response columns to its prompt and its own response. The same keys for
+    every query as the packed mask gives, without the pairs it masks out (the other responses)."""
+
+    prompt_cols: int
+    prompt_mask: torch.Tensor  # [G, 1, P, P] bool
+    key_index: torch.Tensor  # [B, P + S] the packed column (flat over [G, L]) of each of a row's keys
+    query_index: torch.Tensor  # [B, S] the packed column of each of its response's queries
+    row_mask: torch.Tensor  # [B, 1, S, P + S] bool
+    real_queries: torch.Tensor  # [Q] the queries of [B * S] that are a response's columns ...
+    written: torch.Tensor  # [Q] ... and their packed columns, each once
+
+
+def shared_prompt_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       rlflow_rows: _RowsOfPackedSequences | None = None, **kwargs):
+    """transformers' sdpa attention; for the shared-prompt forward (rlflow_rows), the prompt's
+    queries and each row's response queries in two calls against only the keys they may see, so
+    that the attention costs G*P^2 + B*S*(P+S) pairs rather than the packed length squared per group."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if rlflow_rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    layout = rlflow_rows
+    groups, heads, length, dim = query.shape
+    prompt = slice(0, layout.prompt_cols)
+    prompt_out, _ = sdpa_attention_forward(module, query[:, :, prompt], key[:, :, prompt], value[:, :, prompt],
+                                           layout.prompt_mask, dropout=dropout, scaling=scaling, is_causal=False)
+
+    def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [B, h, cols, d]
+        flat = x.transpose(1, 2).reshape(groups * length, x.shape[1], dim)
+        return flat[index].transpose(1, 2)
+
+    rows_out, _ = sdpa_attention_forward(module, rows_of(query, layout.query_index), rows_of(key, layout.key_index),
+                                         rows_of(value, layout.key_index), layout.row_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=False)
+    responses = rows_out.reshape(-1, heads, dim)[layout.real_queries]
+    out = torch.cat([prompt_out, prompt_out.new_zeros(groups, length - layout.prompt_cols, heads, dim)], dim=1)
+    out = out.view(groups * length, heads, dim).index_put((layout.written,), responses)
+    return out.view(groups, length, heads, dim), None
+
+
+def use_shared_prompt_sdpa(model: torch.nn.Module) -> None:
+    """A model on sdpa attention runs shared_prompt_sdpa (with sdpa's masks): sdpa itself wherever
+    the shared-prompt forward does not run."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = _hf_model(model).config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(SHARED_PROMPT_SDPA, shared_prompt_sdpa)
+    AttentionMaskInterface.register(SHARED_PROMPT_SDPA, sdpa_mask)
+    _hf_model(model).set_attn_implementation(SHARED_PROMPT_SDPA)
+
+
+def _rows_of_packed_sequences(packing: "_Packing", key_valid: torch.Tensor, prompt_mask: torch.Tensor,
+                              group: torch.Tensor) -> _RowsOfPackedSequences:
+    num_groups, prompt_cols, segment_len, offsets, length = packing
+    device = key_valid.device
+    width = max(int(segment_len.max()), 1)
+    columns = torch.arange(width, device=device)
+    in_segment = columns[None, :] < segment_len[:, None]  # [B, S]
+    # a column past the row's segment reads the prompt's first column: its query is never written
+    query_index = group[:, None] * length + torch.where(in_segment, offsets[:, None] + columns[None, :], 0)
+    prompt_index = group[:, None] * length + torch.arange(prompt_cols, device=device)[None, :]
+    key_index = torch.cat([prompt_index, query_index], dim=1)
+    in_row = torch.cat([torch.ones_like(prompt_index, dtype=torch.bool), in_segment], dim=1)
+    key_ok = key_valid.reshape(-1)[key_index] & in_row
+    causal = columns[:, None] >= columns[None, :]  # [S, S]
+    row_mask = torch.cat([key_ok[:, None, :prompt_cols].expand(-1, width, -1),
+                          causal[None] & key_ok[:, None, prompt_cols:]], dim=2)
+    # a query with no key at all (padding) attends to its own column: finite, and never read
+    own = torch.cat([torch.zeros(width, prompt_cols, dtype=torch.bool, device=device),
+                     torch.eye(width, dtype=torch.bool, device=device)], dim=1)
+    row_mask |= own[None] & ~row_mask.any(dim=-1, keepdim=True)
+    real_queries = in_segment.reshape(-1).nonzero().squeeze(1)
+    return _RowsOfPackedSequences(prompt_cols, prompt_mask, key_index, query_index, row_mask[:, None], real_queries,
+                                  query_index.reshape(-1)[real_queries])
+
+
 def _forward_cost(config, sequences: int, width: int) -> float:
     """Multiply-adds of a forward over `sequences` x `width` tokens, per layer: the projections and
-    the MLP per token, and q.k plus p.v per query-key pair (sdpa with a mask computes every pair)."""
+    the MLP per token, and q.k plus p.v per query-key pair (attention under a mask computes every pair)."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -162,13 +253,17 @@ def _shared_prompt_forward(
     # a query with no key at all (padding) attends to itself: finite, and never read
     mask |= torch.eye(length, dtype=torch.bool, device=device)[None] & ~mask.any(dim=-1, keepdim=True)
     mask = mask[:, None]
-    if _hf_model(model).config._attn_implementation == "eager":  # eager adds the mask to the scores
+    attention_name = _hf_model(model).config._attn_implementation
+    if attention_name == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    elif attention_name == SHARED_PROMPT_SDPA:
+        prompt_mask = mask[:, :, :prompt_cols, :prompt_cols]
+        extra = {**extra, "rlflow_rows": _rows_of_packed_sequences(packing, key_valid, prompt_mask, group)}
 
     first_kept = 0
     if "logits_to_keep" in extra:  # the head runs from the prompt's last column on
         first_kept = prompt_cols - 1
-        extra = {"logits_to_keep": length - first_kept}
+        extra = {**extra, "logits_to_keep": length - first_kept}
     output = model(input_ids=packed_ids, attention_mask=mask, position_ids=packed_positions, use_cache=False, **extra)
     # response token j is predicted by the column of token j-1, token 0 by the prompt's last column;
     # the columns past a row's segment are padding, read from the prompt's last column
@@ -198,11 +293,13 @@ def _forward_window(model: torch.nn.Module, td: TensorDict, share_prompt: bool =
         group = prompt_groups(td)
         if int(group.max()) + 1 < group.numel():
             packing = _packing(td, group, prompt_width - left, prompt_width, kept)
-            # long responses behind a short prompt make the packed sequence's attention (every
-            # pair of its columns) cost more than the prompt saves: then the plain forward runs
+            # eager attention over the packed sequence computes every pair of its columns: behind a
+            # short prompt, long responses make that cost more than the prompt saves, and then the
+            # plain forward runs (shared_prompt_sdpa computes only the pairs a row's own forward would)
             config = _hf_model(model).config
             plain_cost = _forward_cost(config, group.numel(), end - left)
-            if _forward_cost(config, packing.num_groups, packing.length) < plain_cost:
+            if (config._attn_implementation == SHARED_PROMPT_SDPA
+                    or _forward_cost(config, packing.num_groups, packing.length) < plain_cost):
                 return *_shared_prompt_forward(model, td, group, packing, left, prompt_width, kept, extra), kept
     output = model(
         input_ids=td["input_ids"][:, left:end],
