@@ -26,7 +26,8 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool, temperature: float, to
     drawn from: generate's order (temperature, then top-k, then top-p); greedy: the raw logits'."""
     logits = logits.float()
     if do_sample:
-        logits = logits / temperature
+        if temperature != 1.0:
+            logits = logits / temperature
         if top_k > 0:
             kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
