@@ -289,3 +289,24 @@ def test_shared_prompt_sdpa_packs_long_responses_too_and_computes_only_a_row_s_o
     layers = model.config.num_hidden_layers
     assert keys == [(1, 1), (2, 41)] * layers, keys
     assert torch.allclose(shared, plain, atol=1e-5, rtol=0)
+
+
+def test_on_cpu_bfloat16_attention_runs_in_float32_and_returns_bfloat16(tiny_model_dir):
+    """shared_prompt_sdpa's attention of bfloat16 inputs on CPU: float32 attention of the same
+    (exactly widened) inputs, rounded once to bfloat16, and a bfloat16 gradient."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from workers.forward import shared_prompt_sdpa
+
+    model = _causal_lm(tiny_model_dir, "shared_prompt_sdpa")
+    module = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    query = torch.randn(2, heads, 5, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    key, value = (torch.randn(2, kv_heads, 5, 8, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    out, _ = shared_prompt_sdpa(module, query, key, value, mask, scaling=0.5)
+    want, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.5)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16))
+    out.float().sum().backward()
+    assert query.grad.dtype == key.grad.dtype == torch.bfloat16

@@ -113,28 +113,39 @@ def shared_prompt_sdpa(module, query, key, value, attention_mask, dropout=0.0, s
     """transformers' sdpa attention; for the shared-prompt forward (rlflow_rows), the prompt's
     queries and each row's response queries in two calls against only the keys they may see, so
     that the attention costs G*P^2 + B*S*(P+S) pairs rather than the packed length squared per group."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if rlflow_rows is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
     layout = rlflow_rows
     groups, heads, length, dim = query.shape
     prompt = slice(0, layout.prompt_cols)
-    prompt_out, _ = sdpa_attention_forward(module, query[:, :, prompt], key[:, :, prompt], value[:, :, prompt],
-                                           layout.prompt_mask, dropout=dropout, scaling=scaling, is_causal=False)
+    prompt_out, _ = _sdpa(module, query[:, :, prompt], key[:, :, prompt], value[:, :, prompt], layout.prompt_mask,
+                          dropout=dropout, scaling=scaling, is_causal=False)
 
     def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [B, h, cols, d]
         flat = x.transpose(1, 2).reshape(groups * length, x.shape[1], dim)
         return flat[index].transpose(1, 2)
 
-    rows_out, _ = sdpa_attention_forward(module, rows_of(query, layout.query_index), rows_of(key, layout.key_index),
-                                         rows_of(value, layout.key_index), layout.row_mask, dropout=dropout,
-                                         scaling=scaling, is_causal=False)
+    rows_out, _ = _sdpa(module, rows_of(query, layout.query_index), rows_of(key, layout.key_index),
+                        rows_of(value, layout.key_index), layout.row_mask, dropout=dropout, scaling=scaling,
+                        is_causal=False)
     responses = rows_out.reshape(-1, heads, dim)[layout.real_queries]
     out = torch.cat([prompt_out, prompt_out.new_zeros(groups, length - layout.prompt_cols, heads, dim)], dim=1)
     out = out.view(groups * length, heads, dim).index_put((layout.written,), responses)
     return out.view(groups, length, heads, dim), None
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention; on CPU, bfloat16 and float16 inputs attend in float32 (torch's
+    CPU flash attention, forward and backward, is slower in bfloat16 than in float32 at a
+    forward's sizes) and the output returns to their dtype."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = query.dtype
+    if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(dtype), weights
 
 
 def use_shared_prompt_sdpa(model: torch.nn.Module) -> None:
