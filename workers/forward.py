@@ -162,10 +162,19 @@ def use_shared_prompt_sdpa(model: torch.nn.Module) -> None:
     _hf_model(model).set_attn_implementation(SHARED_PROMPT_SDPA)
 
 
-def _rows_of_packed_sequences(packing: "_Packing", key_valid: torch.Tensor, prompt_mask: torch.Tensor,
-                              group: torch.Tensor) -> _RowsOfPackedSequences:
+def _keep_a_key(mask: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """mask [..., Q, K] where a query with no key at all (padding) attends to its own column, True
+    in own [Q, K]: finite, and never read."""
+    return mask | (own & ~mask.any(dim=-1, keepdim=True))
+
+
+def _rows_of_packed_sequences(packing: "_Packing", key_valid: torch.Tensor, group: torch.Tensor
+                              ) -> _RowsOfPackedSequences:
     num_groups, prompt_cols, segment_len, offsets, length = packing
     device = key_valid.device
+    prompt_causal = torch.ones(prompt_cols, prompt_cols, dtype=torch.bool, device=device).tril()
+    prompt_mask = _keep_a_key(prompt_causal[None] & key_valid[:, None, :prompt_cols],
+                              torch.eye(prompt_cols, dtype=torch.bool, device=device))
     width = max(int(segment_len.max()), 1)
     columns = torch.arange(width, device=device)
     in_segment = columns[None, :] < segment_len[:, None]  # [B, S]
@@ -178,13 +187,12 @@ def _rows_of_packed_sequences(packing: "_Packing", key_valid: torch.Tensor, prom
     causal = columns[:, None] >= columns[None, :]  # [S, S]
     row_mask = torch.cat([key_ok[:, None, :prompt_cols].expand(-1, width, -1),
                           causal[None] & key_ok[:, None, prompt_cols:]], dim=2)
-    # a query with no key at all (padding) attends to its own column: finite, and never read
     own = torch.cat([torch.zeros(width, prompt_cols, dtype=torch.bool, device=device),
                      torch.eye(width, dtype=torch.bool, device=device)], dim=1)
-    row_mask |= own[None] & ~row_mask.any(dim=-1, keepdim=True)
+    row_mask = _keep_a_key(row_mask, own)
     real_queries = in_segment.reshape(-1).nonzero().squeeze(1)
-    return _RowsOfPackedSequences(prompt_cols, prompt_mask, key_index, query_index, row_mask[:, None], real_queries,
-                                  query_index.reshape(-1)[real_queries])
+    return _RowsOfPackedSequences(prompt_cols, prompt_mask[:, None], key_index, query_index, row_mask[:, None],
+                                  real_queries, query_index.reshape(-1)[real_queries])
 
 
 def _forward_cost(config, sequences: int, width: int) -> float:
@@ -257,19 +265,20 @@ def _shared_prompt_forward(
     key_valid[target_group, target_column] = response_attention[row, column]
     segment[target_group, target_column] = row
 
-    index = torch.arange(length, device=device)
-    causal = index[None, :] <= index[:, None]
-    same_segment = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
-    mask = causal[None] & same_segment & key_valid[:, None, :]
-    # a query with no key at all (padding) attends to itself: finite, and never read
-    mask |= torch.eye(length, dtype=torch.bool, device=device)[None] & ~mask.any(dim=-1, keepdim=True)
-    mask = mask[:, None]
     attention_name = _hf_model(model).config._attn_implementation
-    if attention_name == "eager":  # eager adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    elif attention_name == SHARED_PROMPT_SDPA:
-        prompt_mask = mask[:, :, :prompt_cols, :prompt_cols]
-        extra = {**extra, "rlflow_rows": _rows_of_packed_sequences(packing, key_valid, prompt_mask, group)}
+    if attention_name == SHARED_PROMPT_SDPA:
+        # the rows' own masks only: the model gets a 4D mask (passed through as it is, unread by
+        # shared_prompt_sdpa) that is one element broadcast, not the packed length squared
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(num_groups, 1, length, length)
+        extra = {**extra, "rlflow_rows": _rows_of_packed_sequences(packing, key_valid, group)}
+    else:
+        index = torch.arange(length, device=device)
+        causal = index[None, :] <= index[:, None]
+        same_segment = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
+        mask = _keep_a_key(causal[None] & same_segment & key_valid[:, None, :],
+                           torch.eye(length, dtype=torch.bool, device=device))[:, None]
+        if attention_name == "eager":  # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
 
     first_kept = 0
     if "logits_to_keep" in extra:  # the head runs from the prompt's last column on
