@@ -4,8 +4,9 @@ traceback in a file the line names; `--traceback` / RLFLOW_TRACEBACK=1 prints th
 
 The user-error cases run the real entry point (`python -m rlflow.cli`, what the `rlflow` script
 calls) in a subprocess, and every such error must come before Ray starts (quickly, no Ray
-session). The other errors are raised into `main()` in-process, except one real worker error
-after Ray started."""
+session). Those subprocesses start together when the first test asks for one (`cli_runs`): each is
+one interpreter on one core. The other errors are raised into `main()` in-process, except one real
+worker error after Ray started."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -59,19 +61,64 @@ def _assert_traceback(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert "Ray instance" not in proc.stdout + proc.stderr
 
 
-@pytest.fixture
-def train_args(tiny_model_dir):
-    """`rlflow train` settings that reach the model, data and reward checks quickly."""
-    return [f"actor.model.path={tiny_model_dir}", "trainer.total_steps=1", "trainer.logger=[console]"]
-
-
-@pytest.fixture
-def reward_files(tmp_path):
-    syntax = tmp_path / "broken_reward.py"
+@pytest.fixture(scope="module")
+def reward_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_rewards")
+    syntax = folder / "broken_reward.py"
     syntax.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None)\n    return 1.0\n")
-    other_name = tmp_path / "other_reward.py"
+    other_name = folder / "other_reward.py"
     other_name.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    return {"missing": tmp_path / "no_such_reward.py", "syntax": syntax, "other_name": other_name}
+    return {"missing": folder / "no_such_reward.py", "syntax": syntax, "other_name": other_name}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, reward_files):
+    """Paths the cases name: missing ones, and a yaml whose syntax error spans lines."""
+    folder = tmp_path_factory.mktemp("cli_files")
+    bad_yaml = folder / "bad.yaml"
+    bad_yaml.write_text("actor:\n  ppo_epochs: [1\n")
+    return {"missing_yaml": str(folder / "no_such_recipe.yaml"), "bad_yaml": str(bad_yaml),
+            "missing_data": str(folder / "no_such_train.parquet"), "missing_model": str(folder / "no_such_model"),
+            **{f"reward_{name}": str(path) for name, path in reward_files.items()}}
+
+
+def _cases(model_dir: str, f: dict) -> dict[str, tuple[tuple[str, ...], dict | None]]:
+    """name -> (the `rlflow` arguments, extra environment)."""
+    train = ("train", f"actor.model.path={model_dir}", "trainer.total_steps=1", "trainer.logger=[console]")
+    traceback_env = {"RLFLOW_TRACEBACK": "1"}
+    return {
+        "config_unknown_key": (("config", "actor.ppo_mini_batch_sizee=4"), None),
+        "config_missing_yaml": (("config", f["missing_yaml"]), None),
+        "config_batch_algebra": (("config", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=3"),
+                                 None),
+        "config_multi_line_yaml": (("config", f["bad_yaml"]), None),
+        "config_traceback_flag": (("--traceback", "config", "actor.ppo_mini_batch_sizee=4"), None),
+        "config_traceback_env": (("config", "actor.ppo_mini_batch_sizee=4"), traceback_env),
+        "usage_no_command": (("no-such-command",), None),
+        "usage_convert": (("convert", "no-such-model"), None),
+        "train_unknown_key": (("train", "actor.ppo_mini_batch_sizee=4"), None),
+        "train_unknown_key_traceback": (("train", "actor.ppo_mini_batch_sizee=4", "--traceback"), None),
+        "train_missing_yaml": (("train", f["missing_yaml"]), None),
+        "train_batch_algebra": (("train", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=3"),
+                                None),
+        "train_reward_missing": ((*train, f"reward.custom_function.path={f['reward_missing']}"), None),
+        "train_reward_syntax": ((*train, f"reward.custom_function.path={f['reward_syntax']}"), None),
+        "train_reward_name": ((*train, f"reward.custom_function.path={f['reward_other_name']}",
+                               "reward.custom_function.name=score_fn"), None),
+        "train_reward_traceback_env": ((*train, f"reward.custom_function.path={f['reward_syntax']}"), traceback_env),
+        "train_missing_data": ((*train, f"data.train_files=[{f['missing_data']}]"), None),
+        "train_missing_model": (("train", f"actor.model.path={f['missing_model']}"), None),
+    }
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tiny_model_dir, files):
+    """Every case's subprocess, started together on as many threads as there are cores; a test
+    waits for its own (`cli_runs["name"]`)."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        futures = {name: pool.submit(_rlflow, *args, env=env)
+                   for name, (args, env) in _cases(tiny_model_dir, files).items()}
+        yield {name: future.result for name, future in futures.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,38 +126,34 @@ def reward_files(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_config_unknown_key_names_it_and_suggests_the_close_one():
-    line = _assert_one_line_error(_rlflow("config", "actor.ppo_mini_batch_sizee=4"), "actor.ppo_mini_batch_sizee")
+def test_config_unknown_key_names_it_and_suggests_the_close_one(cli_runs):
+    line = _assert_one_line_error(cli_runs["config_unknown_key"](), "actor.ppo_mini_batch_sizee")
     assert "did you mean 'actor.ppo_mini_batch_size'" in line
 
 
-def test_config_missing_yaml_file(tmp_path):
-    missing = str(tmp_path / "no_such_recipe.yaml")
-    _assert_one_line_error(_rlflow("config", missing), missing)
+def test_config_missing_yaml_file(cli_runs, files):
+    _assert_one_line_error(cli_runs["config_missing_yaml"](), files["missing_yaml"])
 
 
-def test_config_impossible_batch_algebra():
-    proc = _rlflow("config", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=3")
-    _assert_one_line_error(proc, "actor.ppo_mini_batch_size=3", "data.train_batch_size * rollout.n")
+def test_config_impossible_batch_algebra(cli_runs):
+    _assert_one_line_error(cli_runs["config_batch_algebra"](), "actor.ppo_mini_batch_size=3",
+                           "data.train_batch_size * rollout.n")
 
 
-def test_config_multi_line_yaml_error_is_one_line(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("actor:\n  ppo_epochs: [1\n")  # a yaml syntax error: its message spans lines
-    _assert_one_line_error(_rlflow("config", str(bad)), str(bad))
+def test_config_multi_line_yaml_error_is_one_line(cli_runs, files):
+    _assert_one_line_error(cli_runs["config_multi_line_yaml"](), files["bad_yaml"])
 
 
-def test_config_traceback_flag_and_env_var_show_the_traceback():
-    _assert_traceback(_rlflow("--traceback", "config", "actor.ppo_mini_batch_sizee=4"), "actor.ppo_mini_batch_sizee")
-    _assert_traceback(_rlflow("config", "actor.ppo_mini_batch_sizee=4", env={"RLFLOW_TRACEBACK": "1"}),
-                      "actor.ppo_mini_batch_sizee")
+def test_config_traceback_flag_and_env_var_show_the_traceback(cli_runs):
+    _assert_traceback(cli_runs["config_traceback_flag"](), "actor.ppo_mini_batch_sizee")
+    _assert_traceback(cli_runs["config_traceback_env"](), "actor.ppo_mini_batch_sizee")
 
 
-def test_argparse_usage_error_keeps_its_format():
-    proc = _rlflow("no-such-command")
+def test_argparse_usage_error_keeps_its_format(cli_runs):
+    proc = cli_runs["usage_no_command"]()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("rlflow: error: ")
-    proc = _rlflow("convert", "no-such-model")  # a subcommand's usage error: argparse names it
+    proc = cli_runs["usage_convert"]()  # a subcommand's usage error: argparse names it
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("rlflow convert: error: ")
 
@@ -120,56 +163,47 @@ def test_argparse_usage_error_keeps_its_format():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_train_unknown_key():
-    line = _assert_one_line_error(_rlflow("train", "actor.ppo_mini_batch_sizee=4"), "actor.ppo_mini_batch_sizee")
+def test_train_unknown_key(cli_runs):
+    line = _assert_one_line_error(cli_runs["train_unknown_key"](), "actor.ppo_mini_batch_sizee")
     assert "did you mean 'actor.ppo_mini_batch_size'" in line
-    _assert_traceback(_rlflow("train", "actor.ppo_mini_batch_sizee=4", "--traceback"), "actor.ppo_mini_batch_sizee")
+    _assert_traceback(cli_runs["train_unknown_key_traceback"](), "actor.ppo_mini_batch_sizee")
 
 
-def test_train_missing_yaml_file(tmp_path):
-    missing = str(tmp_path / "no_such_recipe.yaml")
-    _assert_one_line_error(_rlflow("train", missing), missing)
+def test_train_missing_yaml_file(cli_runs, files):
+    _assert_one_line_error(cli_runs["train_missing_yaml"](), files["missing_yaml"])
 
 
-def test_train_impossible_batch_algebra():
-    proc = _rlflow("train", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=3")
-    _assert_one_line_error(proc, "actor.ppo_mini_batch_size=3")
+def test_train_impossible_batch_algebra(cli_runs):
+    _assert_one_line_error(cli_runs["train_batch_algebra"](), "actor.ppo_mini_batch_size=3")
 
 
-def test_train_reward_file_missing(train_args, reward_files):
-    path = str(reward_files["missing"])
-    line = _assert_one_line_error(_rlflow("train", *train_args, f"reward.custom_function.path={path}"), path)
+def test_train_reward_file_missing(cli_runs, files):
+    line = _assert_one_line_error(cli_runs["train_reward_missing"](), files["reward_missing"])
     assert "not found" in line
 
 
-def test_train_reward_file_syntax_error(train_args, reward_files):
-    path = str(reward_files["syntax"])
-    line = _assert_one_line_error(_rlflow("train", *train_args, f"reward.custom_function.path={path}"), path)
+def test_train_reward_file_syntax_error(cli_runs, files):
+    line = _assert_one_line_error(cli_runs["train_reward_syntax"](), files["reward_syntax"])
     assert "SyntaxError" in line
 
 
-def test_train_reward_function_name_missing(train_args, reward_files):
-    path = str(reward_files["other_name"])
-    proc = _rlflow("train", *train_args, f"reward.custom_function.path={path}", "reward.custom_function.name=score_fn")
-    line = _assert_one_line_error(proc, path, "score_fn")
+def test_train_reward_function_name_missing(cli_runs, files):
+    line = _assert_one_line_error(cli_runs["train_reward_name"](), files["reward_other_name"], "score_fn")
     assert "my_score" in line  # the callables the file does define
 
 
-def test_train_reward_error_traceback_with_env_var(train_args, reward_files):
-    path = str(reward_files["syntax"])
-    proc = _rlflow("train", *train_args, f"reward.custom_function.path={path}", env={"RLFLOW_TRACEBACK": "1"})
-    _assert_traceback(proc, path)
+def test_train_reward_error_traceback_with_env_var(cli_runs, files):
+    proc = cli_runs["train_reward_traceback_env"]()
+    _assert_traceback(proc, files["reward_syntax"])
     assert "load_custom_reward_fn" in proc.stderr
 
 
-def test_train_missing_data_file(train_args, tmp_path):
-    missing = str(tmp_path / "no_such_train.parquet")
-    _assert_one_line_error(_rlflow("train", *train_args, f"data.train_files=[{missing}]"), missing)
+def test_train_missing_data_file(cli_runs, files):
+    _assert_one_line_error(cli_runs["train_missing_data"](), files["missing_data"])
 
 
-def test_train_missing_model_folder(tmp_path):
-    missing = str(tmp_path / "no_such_model")
-    _assert_one_line_error(_rlflow("train", f"actor.model.path={missing}"), missing)
+def test_train_missing_model_folder(cli_runs, files):
+    _assert_one_line_error(cli_runs["train_missing_model"](), files["missing_model"])
 
 
 # ---------------------------------------------------------------------------------------------
